@@ -1,0 +1,107 @@
+"""The `riptide` command: serve one service, run the local stack, show a stack's state.
+
+Config is parsed and validated before any heavy module is imported, so `--help` and config
+errors are instant and the router never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import sys
+from pathlib import Path
+
+from services.common.errors import RiptideError
+
+SERVICES = ("router", "rollout", "sandbox", "trainer")
+DEFAULT_RUN_DIR = Path(".riptide")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="riptide", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run one service (gRPC + admin REST) until SIGTERM")
+    serve.add_argument("service", choices=(*SERVICES, "engine"))
+    serve.add_argument("--config", required=True, type=Path, help="deployment TOML file")
+    serve.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a config value (repeatable; value read as TOML)")
+
+    up = sub.add_parser("up", help="run Redis and the four services locally")
+    up.add_argument("--dir", type=Path, default=DEFAULT_RUN_DIR,
+                    help="run directory: config, logs, checkpoints (default .riptide)")
+    up.add_argument("--config", type=Path, default=None,
+                    help="use this config instead of writing a fresh local one")
+    up.add_argument("--steps", type=int, default=None,
+                    help="stop after the trainer finished this many steps, with a summary")
+
+    status = sub.add_parser("status", help="print the state of a running stack")
+    status.add_argument("--config", type=Path, default=DEFAULT_RUN_DIR / "config.toml")
+    status.add_argument("--json", action="store_true", help="print raw JSON")
+
+    model = sub.add_parser("model", help="model utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    tiny = model_sub.add_parser("create-tiny", help="write a tiny random model (no download)")
+    tiny.add_argument("path", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.common.config import load_config
+    from services.common.logging import setup_logging
+
+    config = load_config(args.config, args.set)
+    setup_logging(args.service, config.run.log_level, config.run.log_format)
+    if args.service == "engine":
+        from services.rollout.engine.server import serve_engine
+
+        return serve_engine(config.engine)
+    from services.common.serve import serve
+
+    server = importlib.import_module(f"services.{args.service}.server")
+    runtime = server.build_runtime(config)
+    asyncio.run(serve(runtime, getattr(config, args.service), config.run))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.common.local_stack import run_up
+
+    return run_up(args.dir, args.config, args.steps)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from services.common import status_report
+    from services.common.config import load_config
+
+    report = status_report.collect(load_config(args.config))
+    print(json.dumps(report, indent=2) if args.json else status_report.render(report))
+    return 0 if all(s.get("state") not in ("unreachable", "error") for s in report.values()) else 1
+
+
+def _model(args: argparse.Namespace) -> int:
+    from services.rollout.engine.tiny_model import create_tiny_model
+
+    create_tiny_model(args.path, seed=args.seed)
+    print(f"tiny model written to {args.path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers = {"serve": _serve, "up": _up, "status": _status, "model": _model}
+    try:
+        return handlers[args.command](args)
+    except RiptideError as exc:
+        print(f"riptide: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Shared plumbing of the four services: config, gRPC and admin bootstrap, sample buffer."""

@@ -1,0 +1,167 @@
+"""The deployment config: one TOML file, a section per service, command-line overrides.
+
+Each service owns its section's model (services/<svc>/config.py); this module assembles them,
+loads the file and turns every problem into one precise ConfigError.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.common.errors import ConfigError
+
+
+class StrictModel(BaseModel):
+    """A config model that rejects unknown keys and re-validates on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServiceConfig(StrictModel):
+    """Where a service listens: gRPC for its peers, HTTP for admin REST and metrics."""
+
+    host: str = Field("127.0.0.1", description="address peers use to reach this service")
+    bind_host: str | None = Field(None, description="interface to listen on (default: host)")
+    grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0 picks a free one)")
+    admin_port: int = Field(0, ge=0, le=65535, description="admin REST port (0: a free one)")
+
+    @property
+    def listen_host(self) -> str:
+        return self.bind_host or self.host
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.host}:{self.admin_port}"
+
+
+class RunConfig(StrictModel):
+    """Deployment-wide settings."""
+
+    name: str = Field("local", pattern=r"^[A-Za-z0-9_.-]+$", description="run name in Redis keys")
+    admin_token: str = Field(min_length=8, description="bearer token for every /admin/ route")
+    grpc_token: str | None = Field(None, description="shared token gRPC peers must send")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")
+    log_format: Literal["json", "text"] = Field("json", description="structured or human logs")
+
+
+class RedisConfig(StrictModel):
+    """The sample buffer between generation and training."""
+
+    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// URL of the buffer")
+    max_groups: int = Field(1024, ge=1, description="stream capacity; producers wait when full")
+    connect_timeout_s: float = Field(5.0, gt=0, description="fail fast when Redis is down")
+
+
+def _section_models() -> dict[str, type[StrictModel]]:
+    from services.rollout.config import RolloutConfig
+    from services.rollout.engine.config import EngineConfig
+    from services.router.config import RouterConfig
+    from services.sandbox.config import SandboxConfig
+    from services.trainer.config import TrainerConfig
+
+    return {
+        "router": RouterConfig,
+        "rollout": RolloutConfig,
+        "sandbox": SandboxConfig,
+        "trainer": TrainerConfig,
+        "engine": EngineConfig,
+    }
+
+
+def deployment_model() -> type[StrictModel]:
+    """The pydantic model of a whole deployment file, built from each service's section."""
+    from pydantic import create_model
+
+    fields: dict[str, Any] = {
+        "run": (RunConfig, ...),
+        "redis": (RedisConfig, Field(default_factory=RedisConfig)),
+    }
+    for name, model in _section_models().items():
+        fields[name] = (model, Field(default_factory=model))
+    return create_model("DeploymentConfig", __base__=StrictModel, **fields)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Parse `section.key=value`; the value is read as TOML, else taken as a plain string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {part} is not a section")
+    node[path[-1]] = value
+
+
+def format_validation_error(source: str, exc: ValidationError) -> str:
+    lines = [f"{source}: invalid config"]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> Any:
+    """Validate a parsed config dict into a DeploymentConfig, or raise a precise ConfigError."""
+    try:
+        return deployment_model().model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(source, exc)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Any:
+    """Read a deployment TOML file, apply `section.key=value` overrides, validate."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        _apply(data, keys, value)
+    return validate_config(data, str(path))
+
+
+def dump_config(config: BaseModel) -> str:
+    """Render a config as TOML (sections of scalars and lists; None values left out)."""
+    out: list[str] = []
+    for section, values in config.model_dump(mode="json", exclude_none=True).items():
+        out.append(f"[{section}]")
+        out.extend(f"{key} = {_toml_value(val)}" for key, val in values.items())
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"cannot write {value!r} as TOML")

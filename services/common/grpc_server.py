@@ -1,0 +1,135 @@
+"""gRPC server bootstrap: health service, error mapping and an optional shared token."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.common.errors import RiptideError
+
+log = logging.getLogger(__name__)
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+TOKEN_METADATA_KEY = "authorization"
+
+
+async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(exc, RiptideError):
+        await context.abort(exc.grpc_code, str(exc))
+    log.exception("unhandled error in gRPC handler")
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except (grpc.aio.AbortError, grpc.RpcError) as exc:
+            raise exc
+        except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
+            await _abort_for(exc, context)
+
+    return wrapped
+
+
+def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except (grpc.aio.AbortError, grpc.RpcError) as exc:
+            raise exc
+        except Exception as exc:  # noqa: BLE001
+            await _abort_for(exc, context)
+
+    return wrapped
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turn RiptideError into its status code and anything else into INTERNAL with the cause."""
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_HEALTH_PREFIX):
+            return handler
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary), handler.request_deserializer,
+                handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary), handler.request_deserializer,
+                handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream), handler.request_deserializer,
+                handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            _wrap_stream(handler.stream_stream), handler.request_deserializer,
+            handler.response_serializer)
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Reject calls without `authorization: Bearer <token>`; health checks stay open."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if details.method.startswith(_HEALTH_PREFIX):
+            return await continuation(details)
+        sent = dict(details.invocation_metadata or ()).get(TOKEN_METADATA_KEY, "")
+        if hmac.compare_digest(str(sent).encode(), self._expected):
+            return await continuation(details)
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong gRPC token")
+
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Metadata a client sends so that a TokenInterceptor lets it through."""
+    return ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else ()
+
+
+class GrpcServer:
+    """A grpc.aio server with grpc.health.v1 and Riptide's interceptors."""
+
+    def __init__(self, service_name: str, token: str | None = None,
+                 max_message_mb: int = 256) -> None:
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+        if token:
+            interceptors.insert(0, TokenInterceptor(token))
+        size = max_message_mb * 1024 * 1024
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[("grpc.max_send_message_length", size),
+                     ("grpc.max_receive_message_length", size)],
+        )
+        self.service_name = service_name
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC on {host}:{port}")
+        await self.server.start()
+        await self.set_serving(False)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", self.service_name):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace_s)

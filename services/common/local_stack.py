@@ -1,0 +1,193 @@
+"""`riptide up`: Redis and the four services as child processes on loopback.
+
+Writes the stack's config into a run directory, starts redis-server and each service with
+`riptide serve`, waits until every one is ready, and stops them all (process groups, no
+orphans) on Ctrl-C, on SIGTERM, when a child dies, or when the trainer reached `--steps`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.common import process
+from services.common.config import dump_config, load_config, validate_config
+from services.common.errors import ConfigError, RiptideError, Unavailable
+from services.common.ports import free_ports
+
+#: Start order: what a service calls must be up before it.
+SERVICE_ORDER = ("router", "sandbox", "trainer", "rollout")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Any:
+    """A deployment config for one machine: loopback, free ports, a fresh admin token."""
+    ports = iter(free_ports(1 + 2 * len(SERVICE_ORDER)))
+    data: dict[str, Any] = {
+        "run": {"name": "local", "admin_token": secrets.token_urlsafe(24), "log_format": "json"},
+        "redis": {"url": f"redis://127.0.0.1:{next(ports)}/0"},
+    }
+    for name in SERVICE_ORDER:
+        data[name] = {"host": "127.0.0.1", "grpc_port": next(ports), "admin_port": next(ports)}
+    data.update(_local_service_settings(run_dir))
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update(values)
+    return validate_config(data, "local stack config")
+
+
+def _local_service_settings(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per-service settings of the local stack beyond addresses (empty where defaults fit)."""
+    return {}
+
+
+class LocalStack:
+    """Redis plus the four services, each a child process with its own log file."""
+
+    def __init__(self, run_dir: Path, config_path: Path,
+                 say: Callable[[str], None] = print) -> None:
+        self.run_dir = run_dir
+        self.config_path = config_path
+        self.config = load_config(config_path)
+        self.say = say
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, ready_timeout_s: float = 300.0) -> None:
+        self._start_redis()
+        for name in SERVICE_ORDER:
+            cmd = [sys.executable, "-m", "services.cli", "serve", name,
+                   "--config", str(self.config_path)]
+            self.children[name] = process.spawn(cmd, log_path=self._log(name), cwd=REPO_ROOT)
+            self._wait_ready(name, ready_timeout_s)
+
+    def _log(self, name: str) -> Path:
+        return self.run_dir / "logs" / f"{name}.log"
+
+    def _start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise Unavailable(
+                "redis-server is not on PATH. Install it (Debian/Ubuntu: "
+                "`sudo apt-get install -y redis-server`; macOS: `brew install redis`) "
+                "or run `make demo`, which installs it when run as root.")
+        port = int(self.config.redis.url.rsplit(":", 1)[1].split("/")[0])
+        data_dir = self.run_dir / "redis"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
+               "--save", "", "--appendonly", "yes", "--protected-mode", "yes"]
+        self.children["redis"] = process.spawn(cmd, log_path=self._log("redis"))
+        self._wait(lambda: _redis_pings(port), "redis", 30.0)
+        self.say(f"[up] redis      ready  127.0.0.1:{port}")
+
+    def _wait_ready(self, name: str, timeout_s: float) -> None:
+        section = getattr(self.config, name)
+        self._wait(lambda: _http_ok(f"{section.admin_url}/readyz"), name, timeout_s)
+        self.say(f"[up] {name:<10} ready  grpc {section.grpc_address}  admin {section.admin_url}")
+
+    def _wait(self, probe: Callable[[], bool], name: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not probe():
+            child = self.children[name]
+            if child.poll() is not None:
+                raise RiptideError(f"{name} exited with code {child.returncode} while starting; "
+                                   f"last log lines:\n{self.log_tail(name)}")
+            if time.monotonic() > deadline:
+                raise RiptideError(f"{name} not ready after {timeout_s:.0f}s; "
+                                   f"last log lines:\n{self.log_tail(name)}")
+            time.sleep(0.2)
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self._log(name)
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def dead_child(self) -> str | None:
+        """The name of a child that exited, if any."""
+        return next((n for n, c in self.children.items() if c.poll() is not None), None)
+
+    def stop(self) -> None:
+        """Stop the services in reverse start order, then Redis."""
+        for name in reversed(list(self.children)):
+            process.stop(self.children[name])
+        self.children.clear()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _redis_pings(port: int) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(port=port, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
+           summarize: Callable[[Any], str] | None = None) -> int:
+    """The body of `riptide up`: start, wait for Ctrl-C / SIGTERM / `steps`, stop everything."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if config_path is None:
+        config_path = run_dir / "config.toml"
+        config_path.write_text(dump_config(local_config(run_dir)))
+        os.chmod(config_path, 0o600)
+    elif not config_path.exists():
+        raise ConfigError(f"{config_path}: no such config file")
+    print(f"[up] config {config_path}  logs {run_dir / 'logs'}", flush=True)
+    stack = LocalStack(run_dir, config_path, say=lambda m: print(m, flush=True))
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        stack.start()
+        print("[up] all services ready; `riptide status --config "
+              f"{config_path}` shows their state; Ctrl-C stops the stack", flush=True)
+        return _supervise(stack, steps, summarize)
+    except KeyboardInterrupt:
+        print("\n[up] stopping", flush=True)
+        return 130
+    finally:
+        stack.stop()
+        print("[up] stopped", flush=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _supervise(stack: LocalStack, steps: int | None,
+               summarize: Callable[[Any], str] | None) -> int:
+    while True:
+        dead = stack.dead_child()
+        if dead is not None:
+            print(f"[up] {dead} exited unexpectedly; last log lines:\n{stack.log_tail(dead)}",
+                  flush=True)
+            return 1
+        if steps is not None and _trainer_step(stack.config) >= steps:
+            if summarize is not None:
+                print(summarize(stack.config), flush=True)
+            return 0
+        time.sleep(1.0)
+
+
+def _trainer_step(config: Any) -> int:
+    headers = {"Authorization": f"Bearer {config.run.admin_token}"}
+    try:
+        state = httpx.get(f"{config.trainer.admin_url}/admin/state", headers=headers,
+                          timeout=2.0).json()
+    except (httpx.HTTPError, ValueError):
+        return -1
+    return int((state.get("details") or {}).get("step", -1))

@@ -1,0 +1,81 @@
+"""Run one ServiceRuntime: gRPC server, admin REST app, readiness, graceful SIGTERM shutdown.
+
+Called by `riptide serve <service>`; owns the process's event loop. Shutdown order: stop
+reporting ready, stop accepting gRPC calls and finish in-flight ones within the grace period,
+stop the runtime (which reaps its children), then stop the admin server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from typing import Any
+
+import uvicorn
+
+from services.common.admin import build_admin_app
+from services.common.config import ServiceConfig
+from services.common.grpc_server import GrpcServer
+from services.common.service import ServiceRuntime
+
+log = logging.getLogger(__name__)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(runtime: ServiceRuntime, section: ServiceConfig, run: Any,
+                grace_s: float = 10.0) -> None:
+    """Serve `runtime` until SIGTERM or SIGINT, then shut down in order."""
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+
+    grpc_server = GrpcServer(runtime.name, token=run.grpc_token)
+    runtime.add_to_grpc(grpc_server.server)
+    grpc_port = await grpc_server.start(section.listen_host, section.grpc_port)
+
+    admin_socket = _bind(section.listen_host, section.admin_port)
+    admin_port = admin_socket.getsockname()[1]
+    app = build_admin_app(runtime, run.admin_token)
+    admin = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                          lifespan="off"))
+    admin.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]))
+
+    try:
+        await runtime.start()
+        watcher = asyncio.create_task(_track_readiness(runtime, grpc_server))
+        log.info("serving", extra={"grpc_port": grpc_port, "admin_port": admin_port})
+        await stop_requested.wait()
+        log.info("stopping")
+        watcher.cancel()
+    finally:
+        await grpc_server.stop(grace_s)
+        try:
+            await runtime.stop()
+        finally:
+            admin.should_exit = True
+            await admin_task
+    log.info("stopped")
+
+
+async def _track_readiness(runtime: ServiceRuntime, grpc_server: GrpcServer) -> None:
+    """Mirror runtime.ready() into the gRPC health status."""
+    serving: bool | None = None
+    while True:
+        ready = runtime.ready()
+        if ready != serving:
+            await grpc_server.set_serving(ready)
+            serving = ready
+        await asyncio.sleep(0.2)

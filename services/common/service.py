@@ -1,0 +1,121 @@
+"""The contract between a service and the shared bootstrap (services/common/serve.py).
+
+A service subclasses ServiceRuntime, registers its gRPC servicers in `add_to_grpc`, and
+overrides only the hooks it needs; every hook has a sensible default.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+from services.common.errors import ConfigError, Conflict
+
+
+class ServiceRuntime:
+    """One service's behaviour, plugged into the gRPC server and the admin REST app."""
+
+    name: str = "service"
+    #: The config model whose fields `PATCH /admin/config` may change at run time.
+    tunable: BaseModel | None = None
+    #: Field names of `tunable` that may be patched live (empty: none).
+    tunable_fields: frozenset[str] = frozenset()
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.started_monotonic = time.monotonic()
+
+    def lifecycle(self) -> str:
+        """starting, ready or paused."""
+        if self.paused:
+            return "paused"
+        return "ready" if self.ready() else "starting"
+
+    def status(self) -> dict[str, Any]:
+        """What /admin/state and the GetStatus RPC report."""
+        return {
+            "service": self.name,
+            "state": self.lifecycle(),
+            "uptime_s": round(time.monotonic() - self.started_monotonic, 3),
+            "details": self.state(),
+        }
+
+    def add_to_grpc(self, server: grpc.aio.Server) -> None:
+        """Register this service's gRPC servicers."""
+
+    async def start(self) -> None:
+        """Acquire resources and start background work; readiness follows `ready()`."""
+
+    async def stop(self) -> None:
+        """Stop background work and release resources (after gRPC stopped accepting)."""
+
+    def ready(self) -> bool:
+        """Whether the service can do its work now (drives /readyz and gRPC health)."""
+        return True
+
+    def state(self) -> dict[str, Any]:
+        """Live state for /admin/state and GetStatus (JSON-serialisable)."""
+        return {}
+
+    async def pause(self) -> None:
+        """Stop taking new work (POST /admin/pause)."""
+        if self.paused:
+            raise Conflict(f"{self.name} is already paused")
+        self.paused = True
+
+    async def resume(self) -> None:
+        """Take new work again (POST /admin/resume)."""
+        if not self.paused:
+            raise Conflict(f"{self.name} is not paused")
+        self.paused = False
+
+    def apply_config_patch(self, patch: dict[str, Any]) -> dict[str, Any]:
+        """Change tunable settings live; all-or-nothing. Returns the tunable settings after."""
+        if self.tunable is None or not self.tunable_fields:
+            raise ConfigError(f"{self.name} has no live-tunable settings")
+        unknown = sorted(set(patch) - self.tunable_fields)
+        if unknown:
+            raise ConfigError(
+                f"not tunable live: {', '.join(unknown)}; "
+                f"tunable: {', '.join(sorted(self.tunable_fields))}"
+            )
+        from pydantic import ValidationError
+
+        from services.common.config import format_validation_error
+
+        merged = {**self.tunable.model_dump(), **patch}
+        try:
+            candidate = type(self.tunable).model_validate(merged)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error("patch", exc)) from None
+        for key in patch:
+            setattr(self.tunable, key, getattr(candidate, key))
+        self.on_config_changed(sorted(patch))
+        return {key: getattr(self.tunable, key) for key in sorted(self.tunable_fields)}
+
+    def on_config_changed(self, keys: list[str]) -> None:
+        """Called after a successful live patch with the changed keys."""
+
+    def admin_routes(self) -> APIRouter | None:
+        """Extra routes mounted under /admin/ (behind the token)."""
+        return None
+
+
+
+def status_message(runtime: ServiceRuntime) -> Any:
+    """The ServiceStatus protobuf of a runtime, for its GetStatus RPC."""
+    import json
+
+    from google.protobuf import json_format, struct_pb2
+
+    from services._proto.riptide.v1 import common_pb2
+
+    status = runtime.status()
+    details = struct_pb2.Struct()
+    json_format.ParseDict(json.loads(json.dumps(status["details"], default=str)), details)
+    return common_pb2.ServiceStatus(service=status["service"], state=status["state"],
+                                    uptime_s=status["uptime_s"], details=details)

@@ -1,0 +1,1 @@
+"""The rollout service: async scheduler, engine fleet, weight-update coordination."""

@@ -1,0 +1,1 @@
+"""The built-in SGLang-compatible engine."""

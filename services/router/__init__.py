@@ -1,0 +1,1 @@
+"""The router: picks an engine and dp rank for every generate call."""

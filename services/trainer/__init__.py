@@ -1,0 +1,1 @@
+"""The trainer: megatron-core policy training from the sample stream."""
