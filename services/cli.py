@@ -55,14 +55,23 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     setup_logging(args.service, config.run.log_level, config.run.log_format)
     if args.service == "engine":
-        from services.rollout.engine.server import serve_engine
+        from services.common.errors import ConfigError
+        from services.rollout.engine.cli import serve as serve_engine
 
-        return serve_engine(config.engine)
+        if not config.engine.model_path:
+            raise ConfigError(f"{args.config}: engine.model_path is required to serve an engine")
+        serve_engine(config.engine)
+        return 0
     from services.common.serve import serve
 
     server = importlib.import_module(f"services.{args.service}.server")
-    runtime = server.build_runtime(config)
-    asyncio.run(serve(runtime, getattr(config, args.service), config.run))
+
+    async def main() -> None:
+        # Built inside the loop: gRPC channels and tasks a runtime creates belong to it.
+        runtime = server.build_runtime(config)
+        await serve(runtime, getattr(config, args.service), config.run)
+
+    asyncio.run(main())
     return 0
 
 

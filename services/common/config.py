@@ -82,7 +82,7 @@ def deployment_model() -> type[StrictModel]:
 
     fields: dict[str, Any] = {
         "run": (RunConfig, ...),
-        "redis": (RedisConfig, Field(default_factory=RedisConfig)),
+        "redis": (RedisConfig, Field(default_factory=lambda: RedisConfig())),
     }
     for name, model in _section_models().items():
         fields[name] = (model, Field(default_factory=model))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
@@ -18,12 +18,11 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                      2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
-def _get_or_create(kind: type[_Metric], name: str, doc: str, labels: Sequence[str],
-                   **kwargs: object) -> _Metric:
+def _get_or_create(kind: type[_Metric], name: str, make: Callable[[], _Metric]) -> _Metric:
     with _lock:
         existing = _created.get(name)
         if existing is None:
-            existing = kind(name, doc, list(labels), **kwargs)
+            existing = make()
             _created[name] = existing
         if not isinstance(existing, kind):
             raise TypeError(f"metric {name} already exists as {type(existing).__name__}")
@@ -32,18 +31,19 @@ def _get_or_create(kind: type[_Metric], name: str, doc: str, labels: Sequence[st
 
 def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
     """A process-wide counter; asking twice for the same name returns the same metric."""
-    return _get_or_create(Counter, name, doc, labels)
+    return _get_or_create(Counter, name, lambda: Counter(name, doc, list(labels)))
 
 
 def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
     """A process-wide gauge."""
-    return _get_or_create(Gauge, name, doc, labels)
+    return _get_or_create(Gauge, name, lambda: Gauge(name, doc, list(labels)))
 
 
 def histogram(name: str, doc: str, labels: Sequence[str] = (),
               buckets: Sequence[float] = LATENCY_BUCKETS_S) -> Histogram:
     """A process-wide histogram (latency buckets by default)."""
-    return _get_or_create(Histogram, name, doc, labels, buckets=tuple(buckets))
+    return _get_or_create(
+        Histogram, name, lambda: Histogram(name, doc, list(labels), buckets=tuple(buckets)))
 
 
 def render(registry: CollectorRegistry = REGISTRY) -> bytes:

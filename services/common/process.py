@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:  # not Linux: the parent's cleanup still stops the group
-        pass
+# Runs in the child before the real command: ask the kernel for SIGTERM when the parent dies
+# (PR_SET_PDEATHSIG), give up if the parent is already gone, then exec. A shim instead of
+# preexec_fn because forking a process with gRPC threads must not run Python before exec.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+    "except OSError:\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 def spawn(cmd: Sequence[str], *, log_path: Path | None = None, env: dict[str, str] | None = None,
@@ -31,8 +33,9 @@ def spawn(cmd: Sequence[str], *, log_path: Path | None = None, env: dict[str, st
         out = open(log_path, "ab")  # noqa: SIM115 - the child owns it
     try:
         return subprocess.Popen(
-            list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=cwd, preexec_fn=_die_with_parent,  # noqa: PLW1509
+            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, cwd=cwd, start_new_session=True,
         )
     finally:
         if not isinstance(out, int):

@@ -8,6 +8,7 @@ stop the runtime (which reaps its children), then stop the admin server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -50,7 +51,8 @@ async def serve(runtime: ServiceRuntime, section: ServiceConfig, run: Any,
     app = build_admin_app(runtime, run.admin_token)
     admin = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                           lifespan="off"))
-    admin.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    # Signals are ours: the admin server must be the last thing to stop, not the first.
+    admin.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]))
 
     try:
