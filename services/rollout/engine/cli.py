@@ -1,0 +1,113 @@
+"""`python -m services.rollout.engine`: parse flags (and an optional deployment file) into an
+EngineConfig first, then load the model and serve. `riptide serve engine` calls `main`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from services.rollout.engine.config import EngineConfig
+
+# flag -> EngineConfig field; SGLang's spellings are accepted as aliases.
+_FLAGS: dict[str, tuple[str, ...]] = {
+    "model_path": ("--model", "--model-path"),
+    "tokenizer_path": ("--tokenizer-path",),
+    "host": ("--host",),
+    "port": ("--port",),
+    "dp_size": ("--dp-size", "--dp"),
+    "max_running_requests": ("--max-running-requests",),
+    "max_total_num_tokens": ("--max-total-tokens", "--max-total-num-tokens"),
+    "prefix_cache_num_tokens": ("--prefix-cache-num-tokens",),
+    "max_context_len": ("--context-length",),
+    "device": ("--device",),
+    "dtype": ("--dtype",),
+    "attn_implementation": ("--attn-implementation",),
+    "num_threads": ("--num-threads",),
+    "weight_version": ("--weight-version",),
+    "served_model_name": ("--served-model-name",),
+    "random_seed": ("--random-seed",),
+    "weight_update_timeout_s": ("--weight-update-timeout-s",),
+    "log_level": ("--log-level",),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.rollout.engine",
+        description="Riptide's built-in SGLang-compatible inference engine.",
+    )
+    parser.add_argument("--config", help="deployment TOML file; its [engine] section is read")
+    parser.add_argument("--ready-file", help="write the bound port here once serving")
+    for field, flags in _FLAGS.items():
+        info = EngineConfig.model_fields[field]
+        parser.add_argument(*flags, dest=field, default=None, help=info.description)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, str | None]:
+    """(config, ready file); flags override --config's [engine] section and the defaults."""
+    args = build_parser().parse_args(argv)
+    values: dict = {}
+    if args.config:
+        from services.common.config import load_config
+
+        values = load_config(args.config).engine.model_dump(exclude_unset=True)
+    values.update({f: getattr(args, f) for f in _FLAGS if getattr(args, f) is not None})
+    from pydantic import ValidationError
+
+    from services.common.config import format_validation_error
+    from services.common.errors import ConfigError
+
+    try:
+        config = EngineConfig.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error("engine", exc)) from None
+    if not config.model_path:
+        raise ConfigError("engine: --model (or engine.model_path) is required")
+    return config, args.ready_file
+
+
+def serve(config: EngineConfig, ready_file: str | None = None) -> None:
+    """Load the model and serve the HTTP API until SIGINT/SIGTERM."""
+    import socket
+    from pathlib import Path
+
+    import uvicorn
+
+    from services.rollout.engine.engine import Engine
+    from services.rollout.engine.http_server import create_app
+
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine = Engine(config)
+    engine.start()
+    app = create_app(engine)
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    sock.listen(2048)
+    port = sock.getsockname()[1]
+    logging.getLogger(__name__).info("engine serving on http://%s:%d", config.host, port)
+    if ready_file:
+        Path(ready_file).write_text(str(port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+        app.state.updater.destroy_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.common.errors import ConfigError
+
+    try:
+        config, ready_file = parse_args(argv)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    serve(config, ready_file)
+    return 0

@@ -1,0 +1,110 @@
+"""The model: loading a Hugging Face causal LM, prefill and batched decode forwards, and
+in-place weight loading by Hugging Face parameter name."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from services.common.errors import InvalidRequest
+from services.rollout.engine.batch_kv import BatchKV
+from services.rollout.engine.config import EngineConfig
+from services.rollout.engine.radix_cache import LayerKV
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model and tokenizer; every forward goes through here (scheduler thread only)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if not config.model_path:
+            raise InvalidRequest("engine.model_path is not set")
+        self.config = config
+        torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.torch_dtype_name)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            config.model_path, dtype=self.dtype, attn_implementation=config.attn_implementation
+        )
+        self.model = model.to(self.device).eval()
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.eos_token_ids = self._eos_ids()
+        model_limit = getattr(self.model.config, "max_position_embeddings", None) or 32768
+        self.context_len = config.max_context_len or model_limit
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.parameters = dict(self.model.state_dict(keep_vars=True))
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config):
+            value = getattr(source, "eos_token_id", None)
+            ids.update([value] if isinstance(value, int) else value or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    @torch.inference_mode()
+    def prefill(
+        self, tokens: list[int], prefix: LayerKV | None, all_logits: bool = False
+    ) -> tuple[torch.Tensor, DynamicCache]:
+        """Forward `tokens` after a cached prefix's KV; returns (logits [n or 1, V], batch-1 cache).
+
+        The prefix covers tokens[:p]; only tokens[p:] are computed.
+        """
+        p = 0 if prefix is None else prefix[0][0].shape[1]
+        if prefix is None:
+            cache = DynamicCache()
+        else:
+            cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in prefix])
+        ids = torch.tensor([tokens[p:]], device=self.device)
+        positions = torch.arange(p, len(tokens), device=self.device)[None, :]
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+            **{self._cache_arg: cache},
+        )
+        return out.logits[0], cache
+
+    @torch.inference_mode()
+    def decode(self, last_tokens: list[int], batch: BatchKV) -> torch.Tensor:
+        """One decode step for every row of `batch`; returns logits [B, V]."""
+        positions = torch.tensor(batch.lengths, device=self.device)[:, None]
+        mask = batch.extend_mask()
+        ids = torch.tensor(last_tokens, device=self.device)[:, None]
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            **{self._cache_arg: batch.cache},
+        )
+        return out.logits[:, -1, :]
+
+    def decode_text(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def check_weights(self, names: list[str], shapes: list[list[int]]) -> None:
+        """Raise InvalidRequest naming the first unknown name or mismatched shape."""
+        for name, shape in zip(names, shapes, strict=True):
+            param = self.parameters.get(name)
+            if param is None:
+                raise InvalidRequest(f"unknown parameter name {name!r}")
+            if list(param.shape) != list(shape):
+                raise InvalidRequest(
+                    f"shape of {name} is {list(param.shape)}, the request says {list(shape)}"
+                )
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy received tensors into the model by Hugging Face name (cast to the model dtype)."""
+        for name, tensor in tensors.items():
+            self.parameters[name].copy_(tensor.to(self.device))

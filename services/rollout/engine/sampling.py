@@ -1,0 +1,69 @@
+"""Next-token sampling for a batch: greedy, temperature, top-k and top-p, seeded per request.
+
+Each request draws its uniform numbers from its own generator, so a seeded request samples the
+same tokens whatever else shares its batch. Log-probs follow SGLang: the log-softmax of the
+temperature-scaled logits (raw logits for greedy rows), before top-k/top-p filtering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.rollout.engine.request import SamplingParams
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of `logits` [B, V]; returns (token ids [B], their log-probs [B])."""
+    logits = logits.float()
+    batch, vocab = logits.shape
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    temps = torch.tensor(
+        [1.0 if p.greedy else p.temperature for p in params],
+        device=logits.device,
+        dtype=logits.dtype,
+    )
+    scaled = logits / temps[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i in range(batch) if not params[i].greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        uniforms = torch.stack([torch.rand((), generator=generators[i]) for i in rows])
+        picked = sample_filtered(
+            logprobs.index_select(0, index).exp(),
+            top_k=[params[i].top_k for i in rows],
+            top_p=[params[i].top_p for i in rows],
+            uniforms=uniforms.to(logits.device),
+        )
+        tokens = tokens.index_copy(0, index, picked)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, chosen
+
+
+def sample_filtered(
+    probs: torch.Tensor, *, top_k: Sequence[int], top_p: Sequence[float], uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Inverse-CDF sampling from `probs` [R, V] restricted to each row's top-k and top-p set."""
+    rows, vocab = probs.shape
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=probs.device)[None, :]
+    k = torch.tensor([vocab if kk < 0 else min(kk, vocab) for kk in top_k], device=probs.device)
+    keep = ranks < k[:, None]
+    p = torch.tensor(list(top_p), device=probs.device, dtype=probs.dtype)
+    # Keep a token while the mass before it is below top_p; the first token is always kept.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep &= (mass_before < p[:, None]) | (ranks == 0)
+    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    cdf = kept.cumsum(dim=-1)
+    cdf = cdf / cdf[:, -1:]
+    position = torch.searchsorted(cdf, uniforms[:, None].to(cdf.dtype), right=True)
+    last_kept = keep.sum(dim=-1, keepdim=True) - 1
+    position = torch.minimum(position, last_kept)
+    return order.gather(1, position).squeeze(1)

@@ -1,0 +1,151 @@
+"""Weight updates over a collective, as SGLang does them.
+
+`/init_weights_update_group` joins the trainer's group (this engine is rank `rank_offset`),
+`/update_weights_from_distributed` receives every tensor by broadcast from rank 0 in the
+order of `names` and only then loads them all by Hugging Face name, and
+`/destroy_weights_update_group` leaves. Requests are validated before any byte is received.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.common.errors import Conflict, InvalidRequest
+from services.rollout.engine import weight_group
+from services.rollout.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InitGroupRequest(_Body):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsRequest(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyGroupRequest(_Body):
+    group_name: str = "weight_update_group"
+
+
+def parse_body(model: type[_Body], body: Any) -> Any:
+    """Validate a JSON body, turning pydantic's complaint into one InvalidRequest."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        raise InvalidRequest(problems) from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidRequest(f"unknown dtype {name!r}")
+    return dtype
+
+
+class WeightUpdater:
+    """The weight-update groups this engine has joined, and receiving tensors through them."""
+
+    def __init__(self, runner: ModelRunner, timeout_s: float) -> None:
+        self.runner = runner
+        self.timeout_s = timeout_s
+        self.groups: dict[str, Any] = {}
+
+    def init_group(self, req: InitGroupRequest) -> None:
+        """Blocks until the trainer and every engine rank have joined."""
+        if req.group_name in self.groups:
+            raise Conflict(f"weight update group {req.group_name!r} already exists")
+        if req.rank_offset >= req.world_size:
+            raise InvalidRequest(
+                f"rank_offset {req.rank_offset} must be below world_size {req.world_size}"
+            )
+        backend = req.backend
+        if backend == "nccl" and self.runner.device.type == "cpu":
+            raise InvalidRequest("backend nccl needs a CUDA engine; use gloo on CPU")
+        self.groups[req.group_name] = weight_group.init_custom_process_group(
+            backend=backend,
+            init_method=f"tcp://{req.master_address}:{req.master_port}",
+            world_size=req.world_size,
+            rank=req.rank_offset,
+            group_name=req.group_name,
+            timeout_s=self.timeout_s,
+        )
+        log.info(
+            "joined weight update group %s as rank %d/%d",
+            req.group_name,
+            req.rank_offset,
+            req.world_size,
+        )
+
+    def destroy_group(self, req: DestroyGroupRequest) -> None:
+        group = self.groups.pop(req.group_name, None)
+        if group is None:
+            raise InvalidRequest(f"no weight update group named {req.group_name!r}")
+        weight_group.destroy_process_group(group)
+
+    def destroy_all(self) -> None:
+        for name in list(self.groups):
+            self.destroy_group(DestroyGroupRequest(group_name=name))
+
+    def validate(self, req: UpdateWeightsRequest) -> list[torch.dtype]:
+        """Check the request against the model; raises InvalidRequest naming the problem."""
+        if req.group_name not in self.groups:
+            raise InvalidRequest(
+                f"no weight update group named {req.group_name!r}; "
+                "call /init_weights_update_group first"
+            )
+        if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
+            raise InvalidRequest(
+                f"names, dtypes and shapes differ in length "
+                f"({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})"
+            )
+        if len(set(req.names)) != len(req.names):
+            raise InvalidRequest("names repeat a parameter")
+        if req.load_format not in (None, "flattened_bucket"):
+            raise InvalidRequest(f"unknown load_format {req.load_format!r}")
+        dtypes = [torch_dtype(d) for d in req.dtypes]
+        if req.load_format == "flattened_bucket" and len(set(dtypes)) > 1:
+            raise InvalidRequest("a flattened bucket must hold tensors of one dtype")
+        self.runner.check_weights(req.names, req.shapes)
+        return dtypes
+
+    def receive(self, req: UpdateWeightsRequest, dtypes: list[torch.dtype]) -> dict[str, Any]:
+        """Receive every tensor by broadcast from rank 0, in the order of `names`."""
+        group = self.groups[req.group_name]
+        device = self.runner.device
+        if req.load_format == "flattened_bucket":
+            sizes = [int(torch.Size(s).numel()) for s in req.shapes]
+            flat = torch.empty(sum(sizes), dtype=dtypes[0], device=device)
+            weight_group.broadcast_tensor(flat, group)
+            parts = flat.split(sizes)
+            return {n: p.view(s) for n, p, s in zip(req.names, parts, req.shapes, strict=True)}
+        tensors = {}
+        for name, dtype, shape in zip(req.names, dtypes, req.shapes, strict=True):
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            weight_group.broadcast_tensor(tensor, group)
+            tensors[name] = tensor
+        return tensors

@@ -1,0 +1,129 @@
+"""Start the built-in engine (services/rollout/engine) as a child process, for tests and benches.
+
+The engine runs in its own process group, so `stop()` and `kill()` reach it and nothing else.
+Used by the engine's integration tests, the router's and rollout's tests, and bench/engine.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from services.common import process
+from services.common.errors import Unavailable
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_model_path(root: str | Path | None = None) -> Path:
+    """The tiny random model in `root` (default: a per-user temp folder), created if absent."""
+    from services.rollout.engine.tiny_model import create_tiny_model
+
+    folder = Path(root or Path(tempfile.gettempdir()) / "riptide-tiny-model")
+    if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
+        return folder
+    # Build beside it and rename, so concurrent callers never see a half-written folder.
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    create_tiny_model(staging)
+    try:
+        staging.rename(folder)
+    except OSError:  # another process won the race (or an old partial folder is in the way)
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (folder / "tokenizer.json").exists():
+            raise
+    return folder
+
+
+class EngineProcess:
+    """One built-in engine on a free loopback port; a context manager."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dp_size: int = 1,
+        extra_args: list[str] | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self._dir = Path(tempfile.mkdtemp(prefix="riptide-engine-"))
+        ready = self._dir / "port"
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.rollout.engine",
+            "--model",
+            str(model_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--dp-size",
+            str(dp_size),
+            *(extra_args or []),
+        ]
+        self.proc = process.spawn(cmd, log_path=self._dir / "engine.log", cwd=_REPO)
+        deadline = time.monotonic() + start_timeout_s
+        while not ready.exists() or not ready.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise Unavailable(f"engine did not start: {self.log_tail()}")
+            time.sleep(0.05)
+        self.port = int(ready.read_text())
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+        while self.client.get("/health").status_code != 200:
+            if time.monotonic() > deadline:
+                self.stop()
+                raise Unavailable(f"engine not healthy: {self.log_tail()}")
+            time.sleep(0.05)
+
+    def log_tail(self) -> str:
+        try:
+            return (self._dir / "engine.log").read_text()[-4000:]
+        except OSError:
+            return "(no log)"
+
+    def generate(self, input_ids: list[int], **body: Any) -> dict[str, Any]:
+        """POST /generate with `input_ids`; raises on an HTTP error."""
+        resp = self.client.post("/generate", json={"input_ids": input_ids, **body})
+        resp.raise_for_status()
+        return dict(resp.json())
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        return self.client.post(path, json=body or {})
+
+    def get(self, path: str) -> httpx.Response:
+        return self.client.get(path)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the engine (a crash)."""
+        process.stop(self.proc, grace_s=0)
+
+    def stop(self) -> None:
+        process.stop(self.proc, grace_s=5)
+        if hasattr(self, "client"):
+            self.client.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,45 @@
+"""The engine's command line and config section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import ConfigError
+from services.rollout.engine.cli import parse_args
+from services.rollout.engine.config import EngineConfig
+
+
+def test_flags_build_the_config() -> None:
+    config, ready = parse_args(
+        ["--model", "/m", "--port", "0", "--dp-size", "2", "--ready-file", "/tmp/p"]
+    )
+    assert config.model_path == "/m" and config.port == 0 and config.dp_size == 2
+    assert ready == "/tmp/p"
+    assert config.torch_dtype_name == "float32"
+
+
+def test_flags_override_the_deployment_file(tmp_path: Path) -> None:
+    path = tmp_path / "deploy.toml"
+    path.write_text(
+        '[run]\nadmin_token = "secret-token"\n'
+        '[engine]\nmodel_path = "/from-file"\ndp_size = 3\nmax_running_requests = 8\n'
+    )
+    config, _ = parse_args(["--config", str(path), "--dp-size", "1"])
+    assert config.model_path == "/from-file" and config.dp_size == 1
+    assert config.max_running_requests == 8
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["--model", "/m", "--dp-size", "0"], ["--model", "/m", "--dtype", "float16"]],
+)
+def test_bad_settings_are_config_errors(argv: list[str]) -> None:
+    with pytest.raises(ConfigError):
+        parse_args(argv)
+
+
+def test_unknown_keys_are_rejected() -> None:
+    with pytest.raises(ValueError):
+        EngineConfig.model_validate({"max_runing_requests": 3})
