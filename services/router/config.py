@@ -1,0 +1,77 @@
+"""The [router] section of the deployment config."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config import ServiceConfig
+
+PolicyName = Literal["sticky_min_load", "consistent_hash", "min_load", "round_robin"]
+
+
+class RouterConfig(ServiceConfig):
+    """Settings of the router service."""
+
+    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one)")
+    admin_port: int = Field(8051, ge=0, le=65535, description="admin REST port (0: a free one)")
+    engine_urls: list[str] = Field(
+        default_factory=list, description="engines to register at start (rollout adds more)")
+
+    policy: PolicyName = Field("sticky_min_load", description="routing policy (live-tunable)")
+    max_load_skew: float = Field(
+        1.5, ge=1.0, description="sticky_min_load spills a call to the least-loaded target "
+        "when its sticky target's in-flight load would exceed this x the mean")
+    spill_min_in_flight: int = Field(
+        4, ge=0, description="never spill while the sticky target has fewer calls in flight")
+    session_idle_s: float = Field(
+        30.0, gt=0, description="sticky_min_load counts a session as active on its target "
+        "until it has made no call for this long (set above the longest tool time)")
+    max_sticky_sessions: int = Field(
+        200_000, ge=1, description="sessions remembered by sticky_min_load (least recent go)")
+    num_virtual_nodes: int = Field(
+        160, ge=1, description="consistent_hash: points on the ring per target")
+
+    health_interval_s: float = Field(2.0, gt=0, description="period of /health checks")
+    health_timeout_s: float = Field(2.0, gt=0, description="timeout of one health check")
+    unhealthy_after_failures: int = Field(
+        3, ge=1, description="consecutive failed health checks that eject a target")
+    healthy_after_successes: int = Field(
+        2, ge=1, description="consecutive passed health checks that re-admit an ejected one")
+    circuit_open_after_failures: int = Field(
+        5, ge=1, description="consecutive failed calls that open a target's circuit breaker")
+    circuit_open_s: float = Field(
+        10.0, gt=0, description="how long an open circuit takes no calls before one trial call")
+
+    connect_timeout_s: float = Field(2.0, gt=0, description="connecting to an engine")
+    generate_timeout_s: float = Field(
+        900.0, gt=0, description="one /generate call, from sending to the last byte")
+    max_retries: int = Field(
+        2, ge=0, description="retries on other targets of calls that never reached an engine")
+    wait_for_target_s: float = Field(
+        30.0, ge=0, description="how long a call waits for a routable target before failing")
+    max_connections: int = Field(
+        2048, ge=1, description="pooled HTTP connections to all engines together")
+    drain_timeout_s: float = Field(
+        600.0, gt=0, description="deregister with drain: longest wait for in-flight calls")
+    initial_weight_version: int | None = Field(
+        None, description="weight version engines must report before they are routable; "
+        "unset: any, until the first SetWeightVersion")
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> RouterConfig:
+        if self.health_timeout_s > self.health_interval_s * 4:
+            raise ValueError(
+                "health_timeout_s is more than 4x health_interval_s: lower the timeout "
+                "or raise the interval")
+        return self
+
+
+#: Fields `PATCH /admin/config` may change while the router runs.
+TUNABLE_FIELDS = frozenset({
+    "policy", "max_load_skew", "spill_min_in_flight", "session_idle_s", "num_virtual_nodes",
+    "health_interval_s", "health_timeout_s", "unhealthy_after_failures",
+    "healthy_after_successes", "circuit_open_after_failures", "circuit_open_s", "max_retries",
+    "wait_for_target_s",
+})

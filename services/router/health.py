@@ -1,0 +1,90 @@
+"""The health checker: every `health_interval_s`, ask each engine for /health, its weight
+version and its load; eject an engine after consecutive failures, re-admit it after
+consecutive successes. Re-admission alone does not make it routable: it must also report the
+router's current weight version (targets.py decides routability).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.router import metrics
+from services.router.config import RouterConfig
+from services.router.registry import EngineRegistry
+from services.router.targets import Engine
+
+log = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    """Periodic probes of every registered engine."""
+
+    def __init__(self, registry: EngineRegistry, config: RouterConfig) -> None:
+        self.registry = registry
+        self.config = config
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="router-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # noqa: BLE001 - one bad round must not stop health checking
+                log.exception("health check round failed")
+
+    async def check_all(self) -> None:
+        """Probe every engine once, concurrently."""
+        engines = list(self.registry.engines.values())
+        await asyncio.gather(*(self.check(engine) for engine in engines))
+        version, open_after = self.registry.weight_version, self.config.circuit_open_after_failures
+        for target in self.registry.targets():
+            metrics.ROUTABLE.labels(*metrics.labels(target)).set(
+                float(target.routable(version, open_after)))
+
+    async def check(self, engine: Engine) -> None:
+        client, timeout = self.registry.client, self.config.health_timeout_s
+        ok = await client.healthy(engine.url, timeout)
+        if ok:
+            version, load = await asyncio.gather(client.weight_version(engine.url, timeout),
+                                                 client.load(engine.url, timeout))
+            if version is not None:
+                self.observe_version(engine, version)
+            for target in engine.targets:
+                target.reported_tokens = load.get(target.dp_rank, target.reported_tokens)
+        self.observe_health(engine, ok)
+
+    def observe_health(self, engine: Engine, ok: bool) -> None:
+        """Count one health observation (a probe, or a call that could not connect)."""
+        change = engine.record_health(ok, self.config.unhealthy_after_failures,
+                                      self.config.healthy_after_successes)
+        if change == "ejected":
+            metrics.EJECTIONS.labels(engine.url).inc()
+            log.warning("engine ejected", extra={"url": engine.url})
+        elif change == "admitted":
+            log.info("engine re-admitted", extra={"url": engine.url})
+        if change:
+            self.registry.notify()
+
+    def observe_version(self, engine: Engine, version: str) -> None:
+        if version != engine.weight_version:
+            engine.weight_version = version
+            self.registry.notify()
+
+    async def refresh_versions(self) -> None:
+        """Read every engine's weight version now (after the router's version changed)."""
+        client, timeout = self.registry.client, self.config.health_timeout_s
+        engines = list(self.registry.engines.values())
+        versions = await asyncio.gather(*(client.weight_version(e.url, timeout)
+                                          for e in engines))
+        for engine, version in zip(engines, versions, strict=True):
+            if version is not None:
+                self.observe_version(engine, version)

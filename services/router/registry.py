@@ -1,0 +1,116 @@
+"""The engine registry: which engines exist, their targets, and the current weight version.
+
+Registration asks the engine for `/get_server_info`: an engine with dp_size > 1 and DP
+attention becomes one target per dp rank. The rollout service registers and deregisters
+engines; the health checker and the router update their state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from services.common.errors import InvalidRequest, NotFound, Unavailable
+from services.router.engine_client import EngineClient
+from services.router.targets import Engine, Target
+
+log = logging.getLogger(__name__)
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise InvalidRequest(f"engine url {url!r} must start with http:// or https://")
+    return url
+
+
+class EngineRegistry:
+    """Registered engines and their targets, in registration order."""
+
+    def __init__(self, client: EngineClient, weight_version: int | None,
+                 probe_timeout_s: float) -> None:
+        self.client = client
+        self.weight_version = weight_version
+        self.probe_timeout_s = probe_timeout_s
+        self.engines: dict[str, Engine] = {}
+        self.generation = 0  # bumped whenever the set of targets changes
+        self.changed = asyncio.Event()
+
+    def targets(self) -> list[Target]:
+        return [t for e in self.engines.values() for t in e.targets]
+
+    def notify(self, topology: bool = False) -> None:
+        """Wake callers waiting for a routable target; `topology`: targets added or removed."""
+        if topology:
+            self.generation += 1
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def register(self, url: str) -> Engine:
+        """Add an engine (idempotent); its targets become routable once its version is current."""
+        url = normalize_url(url)
+        existing = self.engines.get(url)
+        if existing is not None:
+            # Registered again (a restart, or while draining out): keep it, re-read its version.
+            existing.leaving = False
+            existing.weight_version = await self.client.weight_version(url, self.probe_timeout_s)
+            self.notify()
+            return existing
+        try:
+            info = await self.client.get_json(url, "/get_server_info", self.probe_timeout_s)
+        except (httpx.HTTPError, ValueError) as exc:
+            raise Unavailable(f"cannot register {url}: /get_server_info failed: {exc}") from exc
+        engine = self._engine_from_info(url, info)
+        engine.weight_version = await self.client.weight_version(url, self.probe_timeout_s)
+        self.engines[url] = engine
+        log.info("engine registered", extra={"url": url, "dp_size": engine.dp_size,
+                                             "weight_version": engine.weight_version})
+        self.notify(topology=True)
+        return engine
+
+    @staticmethod
+    def _engine_from_info(url: str, info: Any) -> Engine:
+        info = info if isinstance(info, dict) else {}
+        dp_size = int(info.get("dp_size") or 1)
+        dp_aware = dp_size > 1 and bool(info.get("enable_dp_attention"))
+        engine = Engine(url=url, dp_size=dp_size, dp_aware=dp_aware)
+        engine.targets = [Target(engine, rank) for rank in range(dp_size if dp_aware else 1)]
+        return engine
+
+    async def deregister(self, url: str, drain: bool, drain_timeout_s: float) -> None:
+        """Remove an engine; with `drain`, stop routing to it and wait for its in-flight calls."""
+        url = normalize_url(url)
+        engine = self.engines.get(url)
+        if engine is None:
+            raise NotFound(f"engine {url} is not registered")
+        engine.leaving = True
+        self.notify()
+        if drain:
+            deadline = time.monotonic() + drain_timeout_s
+            while any(t.in_flight for t in engine.targets) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        if self.engines.get(url) is engine and engine.leaving:
+            del self.engines[url]
+            self.notify(topology=True)
+        log.info("engine deregistered", extra={"url": url, "drain": drain})
+
+    def find(self, url: str, dp_rank: int | None) -> list[Target]:
+        """The targets of `url` (one rank, or all of them when dp_rank is None)."""
+        engine = self.engines.get(normalize_url(url))
+        if engine is None:
+            raise NotFound(f"engine {url} is not registered")
+        chosen = [t for t in engine.targets if dp_rank is None or t.dp_rank == dp_rank]
+        if not chosen:
+            raise NotFound(f"engine {url} has no dp rank {dp_rank}")
+        return chosen
+
+    def set_drain(self, url: str, dp_rank: int | None, draining: bool) -> list[Target]:
+        targets = self.find(url, dp_rank)
+        for target in targets:
+            target.draining = draining
+        self.notify()
+        return targets

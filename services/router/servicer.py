@@ -1,0 +1,109 @@
+"""The Router gRPC servicer: protobuf in, SGLang /generate body out, and back.
+
+Errors are RiptideError subclasses; the shared gRPC interceptor maps them to status codes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.errors import InvalidRequest
+from services.common.service import status_message
+
+if TYPE_CHECKING:
+    from services.router.server import RouterRuntime
+
+
+def sampling_params(params: common_pb2.SamplingParams) -> dict[str, Any]:
+    """SGLang sampling_params from the proto (zero means the engine default where noted)."""
+    out: dict[str, Any] = {"temperature": params.temperature}
+    if params.max_new_tokens:
+        out["max_new_tokens"] = params.max_new_tokens
+    if params.top_p:
+        out["top_p"] = params.top_p
+    if params.top_k:
+        out["top_k"] = params.top_k
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.ignore_eos:
+        out["ignore_eos"] = True
+    if params.HasField("sampling_seed"):
+        out["sampling_seed"] = params.sampling_seed
+    return out
+
+
+def generate_body(request: router_pb2.GenerateRequest) -> dict[str, Any]:
+    if not request.input_ids:
+        raise InvalidRequest("input_ids is empty")
+    return {
+        "input_ids": list(request.input_ids),
+        "sampling_params": sampling_params(request.sampling_params),
+        "return_logprob": request.return_logprob,
+        "rid": request.request_id or uuid.uuid4().hex,
+    }
+
+
+def _finish_reason(meta: dict[str, Any]) -> str:
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict):
+        return str(finish.get("type", ""))
+    return str(finish or "")
+
+
+def _weight_version(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -1
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Router RPCs over a RouterRuntime."""
+
+    def __init__(self, runtime: RouterRuntime) -> None:
+        self.runtime = runtime
+
+    async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> router_pb2.GenerateResponse:
+        body = generate_body(request)
+        routed = await self.runtime.generate(request.session_key, body)
+        reply, meta = routed.body, routed.body.get("meta_info") or {}
+        output_ids = list(reply.get("output_ids") or [])
+        logprobs = [float(item[0]) for item in meta.get("output_token_logprobs") or []]
+        return router_pb2.GenerateResponse(
+            output_ids=output_ids, output_logprobs=logprobs,
+            finish_reason=_finish_reason(meta),
+            prompt_tokens=int(meta.get("prompt_tokens") or len(request.input_ids)),
+            cached_tokens=int(meta.get("cached_tokens") or 0),
+            weight_version=_weight_version(meta.get("weight_version")),
+            engine_url=routed.target.engine.url, dp_rank=routed.target.dp_rank,
+            engine_latency_s=routed.engine_latency_s,
+        )
+
+    async def RegisterEngine(self, request: router_pb2.RegisterEngineRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext
+                             ) -> router_pb2.RegisterEngineResponse:
+        ranks = await self.runtime.register_engine(request.url)
+        return router_pb2.RegisterEngineResponse(dp_ranks=ranks)
+
+    async def DeregisterEngine(self, request: router_pb2.DeregisterEngineRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext
+                               ) -> router_pb2.DeregisterEngineResponse:
+        await self.runtime.deregister_engine(request.url, request.drain)
+        return router_pb2.DeregisterEngineResponse()
+
+    async def SetWeightVersion(self, request: router_pb2.SetWeightVersionRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext
+                               ) -> router_pb2.SetWeightVersionResponse:
+        await self.runtime.set_weight_version(request.weight_version)
+        return router_pb2.SetWeightVersionResponse()
+
+    async def GetStatus(self, request: common_pb2.StatusRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> common_pb2.ServiceStatus:
+        return status_message(self.runtime)

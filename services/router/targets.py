@@ -1,0 +1,108 @@
+"""Engines and their routing targets: one target per engine, or per dp rank when DP-aware.
+
+A target is routable when its engine is registered (not leaving), healthy, holds the router's
+current weight version, and the target's circuit breaker lets calls through. Health and
+version belong to the engine; load, circuit and counters to the target.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Engine:
+    """One SGLang-compatible server."""
+
+    url: str
+    dp_size: int = 1
+    dp_aware: bool = False
+    healthy: bool = True
+    leaving: bool = False
+    weight_version: str | None = None
+    health_failures: int = 0
+    health_successes: int = 0
+    num_ejections: int = 0
+    targets: list[Target] = field(default_factory=list)
+
+    def record_health(self, ok: bool, eject_after: int, admit_after: int) -> str | None:
+        """Count one health observation; returns "ejected" or "admitted" on a transition."""
+        if ok:
+            self.health_failures = 0
+            self.health_successes += 1
+            if not self.healthy and self.health_successes >= admit_after:
+                self.healthy = True
+                return "admitted"
+            return None
+        self.health_successes = 0
+        self.health_failures += 1
+        if self.healthy and self.health_failures >= eject_after:
+            self.healthy = False
+            self.num_ejections += 1
+            return "ejected"
+        return None
+
+
+@dataclass(eq=False)
+class Target:
+    """One place a call can go: (engine, dp rank)."""
+
+    engine: Engine
+    dp_rank: int
+    in_flight: int = 0
+    reported_tokens: int = 0
+    draining: bool = False
+    num_assigned: int = 0
+    call_failures: int = 0
+    circuit_open_until: float = 0.0
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"{self.engine.url}@{self.dp_rank}"
+
+    def version_ok(self, current: int | None) -> bool:
+        return current is None or self.engine.weight_version == str(current)
+
+    def circuit_allows(self, open_after: int, now: float | None = None) -> bool:
+        """Closed, or half-open (open time over) with no trial call in flight."""
+        if self.call_failures < open_after:
+            return True
+        now = time.monotonic() if now is None else now
+        return now >= self.circuit_open_until and self.in_flight == 0
+
+    def routable(self, current_version: int | None, open_after: int) -> bool:
+        e = self.engine
+        return (e.healthy and not e.leaving and self.version_ok(current_version)
+                and self.circuit_allows(open_after))
+
+    def record_call(self, ok: bool, open_after: int, open_s: float) -> bool:
+        """Count a call outcome for the circuit breaker; True when this failure opens it."""
+        if ok:
+            self.call_failures = 0
+            return False
+        self.call_failures += 1
+        if self.call_failures >= open_after:
+            self.circuit_open_until = time.monotonic() + open_s
+            return self.call_failures == open_after
+        return False
+
+    def view(self, current_version: int | None, open_after: int) -> dict[str, object]:
+        """What the admin API and GetStatus show for this target."""
+        e = self.engine
+        hit = self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+        return {
+            "id": self.id, "engine_url": e.url, "dp_rank": self.dp_rank,
+            "routable": self.routable(current_version, open_after),
+            "healthy": e.healthy, "draining": self.draining, "leaving": e.leaving,
+            "weight_version": e.weight_version,
+            "version_current": self.version_ok(current_version),
+            "circuit_open": not self.circuit_allows(open_after),
+            "in_flight": self.in_flight, "reported_tokens": self.reported_tokens,
+            "requests": self.num_requests, "prompt_tokens": self.num_prompt_tokens,
+            "cached_tokens": self.num_cached_tokens, "hit_rate": round(hit, 4),
+            "ejections": e.num_ejections,
+        }

@@ -1,0 +1,119 @@
+"""Run `riptide serve router` as a child process on free ports, for tests and benches.
+
+Writes a minimal deployment config with the given [router] settings, waits for /readyz, and
+offers an admin client; gRPC stubs come from `channel()` / `aio_channel()`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+import httpx
+
+from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common import process
+from services.common.grpc_client import aio_channel, sync_channel
+from services.common.ports import free_ports
+
+ADMIN_TOKEN = "router-test-admin-token"
+
+
+class RouterProcess:
+    """A router service process; `settings` are [router] keys (policy, max_load_skew...)."""
+
+    def __init__(self, start_timeout_s: float = 30.0, **settings: Any) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="riptide-router-"))
+        grpc_port, admin_port = free_ports(2)
+        router = {"grpc_port": grpc_port, "admin_port": admin_port, **settings}
+        lines = ["[run]", f'admin_token = "{ADMIN_TOKEN}"', 'log_format = "text"',
+                 'log_level = "warning"', "[router]"]
+        # JSON scalars and lists of strings are valid TOML values.
+        lines += [f"{key} = {json.dumps(value)}" for key, value in router.items()]
+        config = self._dir / "router.toml"
+        config.write_text("\n".join(lines) + "\n")
+        self.address = f"127.0.0.1:{grpc_port}"
+        self._channel: grpc.Channel | None = None
+        self._stub: router_pb2_grpc.RouterStub | None = None
+        self.admin_url = f"http://127.0.0.1:{admin_port}"
+        self.admin = httpx.Client(base_url=self.admin_url, timeout=30,
+                                  headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
+        self.proc = process.spawn(
+            [sys.executable, "-m", "services.cli", "serve", "router", "--config", str(config)],
+            log_path=self._dir / "router.log", cwd=Path(__file__).resolve().parents[2])
+        self._wait_ready(start_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{self.admin_url}/readyz", timeout=0.5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"router did not become ready: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        try:
+            return (self._dir / "router.log").read_text()[-4000:]
+        except OSError:
+            return "(no log)"
+
+    def channel(self) -> grpc.Channel:
+        return sync_channel(self.address)
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        return aio_channel(self.address)
+
+    def stub(self) -> router_pb2_grpc.RouterStub:
+        """A blocking Router stub on a channel kept for this process's lifetime."""
+        if self._stub is None:
+            self._channel = self.channel()
+            self._stub = router_pb2_grpc.RouterStub(self._channel)
+        return self._stub
+
+    def register(self, url: str) -> list[int]:
+        reply = self.stub().RegisterEngine(router_pb2.RegisterEngineRequest(url=url), timeout=30)
+        return list(reply.dp_ranks)
+
+    def generate(self, session_key: str, input_ids: list[int], max_new_tokens: int = 8,
+                 timeout_s: float = 60, return_logprob: bool = False,
+                 **params: Any) -> router_pb2.GenerateResponse:
+        """Router.Generate; `params` are further SamplingParams fields."""
+        sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, **params)
+        request = router_pb2.GenerateRequest(session_key=session_key, input_ids=input_ids,
+                                             sampling_params=sampling,
+                                             return_logprob=return_logprob)
+        return self.stub().Generate(request, timeout=timeout_s)
+
+    def targets(self) -> list[dict[str, Any]]:
+        return list(self.admin.get("/admin/targets").raise_for_status().json()["targets"])
+
+    def state(self) -> dict[str, Any]:
+        return dict(self.admin.get("/admin/state").raise_for_status().json()["details"])
+
+    def patch_config(self, **patch: Any) -> dict[str, Any]:
+        return dict(self.admin.patch("/admin/config", json=patch).raise_for_status().json())
+
+    def stop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self.admin.close()
+        process.stop(self.proc, grace_s=5)
+
+    def __enter__(self) -> RouterProcess:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

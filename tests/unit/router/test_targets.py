@@ -1,0 +1,60 @@
+"""Health, circuit breaker and weight-version rules of a target."""
+
+from __future__ import annotations
+
+import time
+
+from services.router.targets import Engine, Target
+
+
+def test_ejected_after_consecutive_failures_and_readmitted_after_successes() -> None:
+    engine = Engine(url="http://e:1")
+    assert engine.record_health(False, 3, 2) is None
+    assert engine.record_health(True, 3, 2) is None  # a success resets the failure count
+    assert [engine.record_health(False, 3, 2) for _ in range(3)] == [None, None, "ejected"]
+    assert not engine.healthy and engine.num_ejections == 1
+    assert engine.record_health(True, 3, 2) is None
+    assert engine.record_health(True, 3, 2) == "admitted"
+    assert engine.healthy
+
+
+def test_weight_version_gates_routability() -> None:
+    target = Target(Engine(url="http://e:1", weight_version="3"), 0)
+    assert target.routable(None, 5)  # no version set yet: any
+    assert target.routable(3, 5)
+    assert not target.routable(4, 5)
+    target.engine.weight_version = "4"
+    assert target.routable(4, 5)
+
+
+def test_circuit_opens_after_failed_calls_then_half_opens_for_one_trial() -> None:
+    target = Target(Engine(url="http://e:1"), 0)
+    opened = [target.record_call(False, 3, 0.05) for _ in range(3)]
+    assert opened == [False, False, True]
+    assert not target.routable(None, 3)
+    time.sleep(0.06)
+    assert target.routable(None, 3)  # half-open: one trial call
+    target.in_flight = 1
+    assert not target.routable(None, 3)  # ...and only one
+    target.in_flight = 0
+    target.record_call(True, 3, 0.05)
+    assert target.routable(None, 3) and target.call_failures == 0
+
+
+def test_unhealthy_or_leaving_engine_is_not_routable() -> None:
+    target = Target(Engine(url="http://e:1"), 0)
+    target.engine.healthy = False
+    assert not target.routable(None, 5)
+    target.engine.healthy, target.engine.leaving = True, True
+    assert not target.routable(None, 5)
+
+
+def test_dp_ranks_become_targets_only_with_dp_attention() -> None:
+    from services.router.registry import EngineRegistry
+
+    dp = EngineRegistry._engine_from_info("http://e:1", {"dp_size": 4,
+                                                          "enable_dp_attention": True})
+    assert dp.dp_aware and [t.dp_rank for t in dp.targets] == [0, 1, 2, 3]
+    plain = EngineRegistry._engine_from_info("http://e:1", {"dp_size": 4})
+    assert not plain.dp_aware and [t.dp_rank for t in plain.targets] == [0]
+    assert len(EngineRegistry._engine_from_info("http://e:1", {}).targets) == 1
