@@ -1,0 +1,175 @@
+"""The multi-turn terminal agent: model turns through a ModelClient, commands in a sandbox.
+
+Token-in, token-out: the prompt is tokenized once; each model turn's ids are appended as the
+engine returned them (loss mask 1, with their log-probs and weight version); each
+observation is appended as its own ids between framing ids tokenized once by ChatFormat
+(loss mask 0). Nothing the model produced is ever decoded and re-encoded into the sequence.
+Called by the episode runner (services/sandbox/episode.py); the reply format is in
+reply_format.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services._proto.riptide.v1 import common_pb2
+from services.common.errors import Unavailable
+from services.sandbox.chat_format import ChatFormat
+from services.sandbox.config import AgentConfig
+from services.sandbox.model_client import GenerateResult, ModelClient
+from services.sandbox.provider import SandboxHandle, SandboxProvider
+from services.sandbox.reply_format import (
+    SYSTEM_PROMPT,
+    Command,
+    format_command_result,
+    format_observation,
+    parse_reply,
+)
+
+ProgressFn = Callable[[str, int, str], None]
+
+
+class GenerationAborted(Unavailable):
+    """The engine aborted a turn (a weight update, a drained engine): the episode is cut short
+    by the infrastructure, not by the model, so it gets no verdict."""
+
+
+@dataclass
+class TokenTrace:
+    """The episode's token sequence with its per-token training data."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def add_model(self, result: GenerateResult) -> None:
+        count = len(result.output_ids)
+        logprobs = list(result.output_logprobs[:count])
+        logprobs += [0.0] * (count - len(logprobs))
+        self.response_ids += result.output_ids
+        self.loss_mask += [1] * count
+        self.logprobs += logprobs
+        self.weight_versions += [result.weight_version] * count
+
+    def add_context(self, ids: list[int]) -> None:
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.weight_versions += [-1] * len(ids)
+
+
+@dataclass
+class AgentRun:
+    """What the agent did: the tokens, how it stopped and where its time went."""
+
+    trace: TokenTrace
+    num_turns: int = 0
+    finish_reason: str = ""
+    generate_s: float = 0.0
+    exec_s: float = 0.0
+
+
+class TerminalAgent:
+    """Runs one episode's turns against a live sandbox."""
+
+    def __init__(self, model: ModelClient, chat: ChatFormat, provider: SandboxProvider,
+                 config: AgentConfig) -> None:
+        self.model = model
+        self.chat = chat
+        self.provider = provider
+        self.config = config
+
+    def system_prompt(self) -> str:
+        return SYSTEM_PROMPT.format(default_timeout_s=self.config.default_command_timeout_s,
+                                    max_timeout_s=self.config.max_command_timeout_s)
+
+    async def run(self, handle: SandboxHandle, instruction: str, session_key: str,
+                  sampling: common_pb2.SamplingParams, wall_time_s: float,
+                  on_progress: ProgressFn | None = None) -> AgentRun:
+        """Turns until the model declares completion or a limit is reached."""
+        progress = on_progress or (lambda kind, turn, detail: None)
+        limits = self.config
+        deadline = time.monotonic() + min(wall_time_s, limits.wall_time_s)
+        run = AgentRun(TokenTrace(self.chat.prompt_ids(self.system_prompt(), instruction)))
+        for turn in range(1, limits.max_turns + 1):
+            room = limits.max_context_tokens - run.trace.num_tokens
+            if room <= 0:
+                run.finish_reason = "context_length"
+                return run
+            result = await self._generate(run, session_key, sampling, room, deadline)
+            if result is None:
+                run.finish_reason = "wall_time"
+                return run
+            run.num_turns = turn
+            run.trace.add_model(result)
+            if result.finish_reason == "abort":
+                raise GenerationAborted(f"the engine aborted turn {turn} of {session_key}")
+            reply = parse_reply(self.chat.decode(result.output_ids),
+                                limits.default_command_timeout_s, limits.max_command_timeout_s)
+            progress("turn", turn, f"{len(result.output_ids)} tokens, "
+                                   f"{len(reply.commands)} commands")
+            blocks, out_of_time = await self._run_commands(run, handle, reply.commands, turn,
+                                                           deadline, progress)
+            if reply.task_complete:
+                run.finish_reason = "complete"
+                return run
+            if out_of_time:
+                run.finish_reason = "wall_time"
+                return run
+            observation = format_observation(blocks, reply.problems,
+                                             limits.max_observation_chars)
+            ids = self.chat.user_turn_ids(result.output_ids, observation)
+            if run.trace.num_tokens + len(ids) >= limits.max_context_tokens:
+                run.finish_reason = "context_length"
+                return run
+            run.trace.add_context(ids)
+        run.finish_reason = "max_turns"
+        return run
+
+    async def _generate(self, run: AgentRun, session_key: str,
+                        sampling: common_pb2.SamplingParams, room: int,
+                        deadline: float) -> GenerateResult | None:
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            return None
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(sampling)
+        params.max_new_tokens = min(sampling.max_new_tokens or self.config.max_new_tokens, room)
+        if self.chat.end_of_turn_id not in params.stop_token_ids:
+            params.stop_token_ids.append(self.chat.end_of_turn_id)
+        input_ids = run.trace.prompt_ids + run.trace.response_ids
+        started = time.monotonic()
+        try:
+            return await asyncio.wait_for(
+                self.model.generate(session_key, input_ids, params), remaining_s)
+        except TimeoutError:
+            return None
+        finally:
+            run.generate_s += time.monotonic() - started
+
+    async def _run_commands(self, run: AgentRun, handle: SandboxHandle,
+                            commands: list[Command], turn: int, deadline: float,
+                            progress: ProgressFn) -> tuple[list[str], bool]:
+        blocks: list[str] = []
+        for command in commands:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                return blocks, True
+            timeout_s = min(command.timeout_s, remaining_s)
+            started = time.monotonic()
+            result = await self.provider.exec(handle, command.text, timeout_s)
+            elapsed = time.monotonic() - started
+            run.exec_s += elapsed
+            status = "timed out" if result.timed_out else f"exit {result.exit_code}"
+            progress("command", turn, f"{status} in {elapsed:.2f} s: {command.text[:80]}")
+            blocks.append(format_command_result(command, result))
+        return blocks, False

@@ -1,0 +1,105 @@
+"""The [sandbox] section of the deployment config, with its provider and agent subsections."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config import ServiceConfig, StrictModel
+from services.sandbox.providers.local import LocalProviderConfig
+
+
+class DaytonaProviderConfig(StrictModel):
+    """Daytona sandboxes through the `daytona` SDK (async client)."""
+
+    type: Literal["daytona"] = Field("daytona", description="provider implementation")
+    api_url: str | None = Field(None, description="Daytona API URL (default: $DAYTONA_API_URL "
+                                                  "or the Daytona cloud)")
+    api_key_env: str = Field("DAYTONA_API_KEY", description="environment variable holding the "
+                                                            "API key (never the key itself)")
+    target: str | None = Field(None, description="region for sandboxes and snapshots")
+    auto_stop_interval_min: int = Field(30, ge=1, description="idle minutes before Daytona "
+                                                              "stops a sandbox (orphans die)")
+    auto_delete_interval_min: int = Field(0, ge=0, description="minutes a stopped sandbox is "
+                                                               "kept before deletion (0: at once)")
+    create_timeout_s: float = Field(1800.0, gt=0, description="limit of one create, image "
+                                                              "build included")
+    num_create_retries: int = Field(6, ge=0, description="retries of a rate-limited create")
+    backoff_initial_s: float = Field(1.0, gt=0, description="first retry delay; doubles each time")
+    backoff_max_s: float = Field(60.0, gt=0, description="cap of one retry delay")
+    image_template: str | None = Field(
+        None, description="image of tasks without docker_image, e.g. 'registry/riptide-{task}:v1'"
+                          " (default: build the task's Dockerfile)")
+    use_snapshots: bool = Field(True, description="build one snapshot per image and create "
+                                                  "sandboxes from it")
+    snapshot_prefix: str = Field("riptide", pattern=r"^[a-z0-9-]+$",
+                                 description="name prefix of the snapshots Riptide builds")
+    session_command_min_timeout_s: float = Field(
+        30.0, ge=0, description="commands allowed longer than this run as polled session commands")
+    session_poll_interval_s: float = Field(0.5, gt=0, description="poll period of session "
+                                                                  "commands")
+    request_timeout_s: float = Field(60.0, gt=0, description="limit of one control-plane call")
+
+
+ProviderSection = Annotated[LocalProviderConfig | DaytonaProviderConfig,
+                            Field(discriminator="type")]
+
+
+class AgentConfig(StrictModel):
+    """Limits of the terminal agent, per episode."""
+
+    max_turns: int = Field(30, ge=1, description="model turns before the episode stops")
+    max_context_tokens: int = Field(32768, ge=64, description="prompt plus response token cap")
+    max_new_tokens: int = Field(4096, ge=1, description="per-turn cap when the request sets none")
+    wall_time_s: float = Field(1800.0, gt=0, description="agent time cap (the task's own "
+                                                         "agent timeout applies too)")
+    default_command_timeout_s: float = Field(30.0, gt=0, description="timeout of a command "
+                                                                     "that names none")
+    max_command_timeout_s: float = Field(600.0, gt=0, description="cap of one command's timeout")
+    max_observation_chars: int = Field(10000, ge=256, description="observation size; head and "
+                                                                  "tail kept")
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> AgentConfig:
+        if self.default_command_timeout_s > self.max_command_timeout_s:
+            raise ValueError("default_command_timeout_s exceeds max_command_timeout_s; "
+                             "lower the default or raise the cap")
+        return self
+
+
+class ScriptedClientConfig(StrictModel):
+    """The scripted model client: a test and benchmark tool, never a model."""
+
+    policy: Literal["oracle", "noop"] = Field(
+        "oracle", description="oracle: run the task's solution/solve.sh as the only command; "
+                              "noop: declare completion at once")
+    num_extra_commands: int = Field(0, ge=0, description="harmless commands before the policy's "
+                                                         "own (benchmarks)")
+    command_timeout_s: float = Field(600.0, gt=0, description="timeout of the scripted commands")
+
+
+class SandboxConfig(ServiceConfig):
+    """Settings of the sandbox service."""
+
+    grpc_port: int = Field(50053, ge=0, le=65535, description="gRPC port (0 picks a free one)")
+    admin_port: int = Field(8053, ge=0, le=65535, description="admin REST port (0: a free one)")
+    tasks_dir: str = Field("tasks", description="directory of tasks in terminal-bench-2 layout")
+    provider: ProviderSection = Field(default_factory=LocalProviderConfig,
+                                      description="which sandboxes run episodes")
+    max_concurrent_episodes: int = Field(64, ge=1, description="episodes running at once; "
+                                                               "tunable live")
+    max_concurrent_creates: int = Field(8, ge=1, description="sandbox creates in flight at once; "
+                                                             "tunable live")
+    delete_timeout_s: float = Field(60.0, gt=0, description="limit of one sandbox delete")
+    model_client: Literal["router", "scripted"] = Field(
+        "router", description="router: the real model via Router.Generate; scripted: replayed "
+                              "commands (tests and benchmarks only)")
+    router_address: str | None = Field(None, description="host:port of the router's gRPC "
+                                                         "(default: the [router] section's)")
+    generate_timeout_s: float = Field(600.0, gt=0, description="limit of one Generate call")
+    tokenizer_path: str | None = Field(None, description="Hugging Face tokenizer folder (default:"
+                                                         " the tiny model's byte-level one)")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="agent limits")
+    scripted: ScriptedClientConfig = Field(default_factory=ScriptedClientConfig,
+                                           description="scripted client (model_client=scripted)")

@@ -1,0 +1,169 @@
+"""One episode end to end: acquire a sandbox, run the agent, verify, always delete.
+
+Owns the caps on concurrent episodes and creates, and the guarantee that a sandbox never
+outlives its episode: deletion runs in a `finally`, shielded from cancellation, and a
+create that completes after its episode was cancelled is deleted as soon as it lands.
+Called by the gRPC servicer (service.py); calls the provider, agent.py and verifier.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from services._proto.riptide.v1 import common_pb2, sandbox_pb2
+from services.common.errors import RiptideError
+from services.sandbox.agent import AgentRun, TerminalAgent
+from services.sandbox.limiter import Limiter
+from services.sandbox.provider import SandboxHandle, SandboxProvider
+from services.sandbox.stats import SandboxStats
+from services.sandbox.task import Task
+from services.sandbox.verifier import Verdict, verify
+
+log = logging.getLogger(__name__)
+
+EmitFn = Callable[[sandbox_pb2.EpisodeProgress], None]
+
+
+class EpisodeRunner:
+    """Runs episodes under the service's caps and keeps its sandbox accounting."""
+
+    def __init__(self, provider: SandboxProvider, agent: TerminalAgent, stats: SandboxStats,
+                 max_concurrent_episodes: int, max_concurrent_creates: int,
+                 run_name: str, delete_timeout_s: float = 60.0) -> None:
+        self.provider = provider
+        self.agent = agent
+        self.stats = stats
+        self.episodes = Limiter(max_concurrent_episodes)
+        self.creates = Limiter(max_concurrent_creates)
+        self.run_name = run_name
+        self.delete_timeout_s = delete_timeout_s
+        self._deletes: set[asyncio.Task[None]] = set()
+
+    async def run(self, task: Task, request: sandbox_pb2.RunEpisodeRequest,
+                  emit: EmitFn) -> common_pb2.Trajectory:
+        """The episode's trajectory; infrastructure failures become no_verdict, not errors."""
+        queued = time.monotonic()
+        self.stats.episodes_queued += 1
+        try:
+            await self.episodes.acquire()
+        finally:
+            self.stats.episodes_queued -= 1
+        self.stats.episode_started()
+        status = finish_reason = ""
+        try:
+            trajectory = await self._run(task, request, emit, queued)
+            status = common_pb2.VerdictStatus.Name(trajectory.status)
+            finish_reason = trajectory.finish_reason
+        finally:
+            self.stats.episode_finished(status, finish_reason)
+            await asyncio.shield(self.episodes.release())
+        return trajectory
+
+    async def _run(self, task: Task, request: sandbox_pb2.RunEpisodeRequest, emit: EmitFn,
+                   queued: float) -> common_pb2.Trajectory:
+        started = time.monotonic()
+        timings = common_pb2.EpisodeTimings(queued_s=started - queued)
+
+        def progress(kind: str, turn: int, detail: str) -> None:
+            emit(sandbox_pb2.EpisodeProgress(kind=kind, turn=turn, detail=detail,
+                                             elapsed_s=time.monotonic() - started))
+
+        run: AgentRun | None = None
+        handle: SandboxHandle | None = None
+        try:
+            handle = await self._acquire(task, request.sample_id, timings)
+            progress("sandbox_ready", 0, f"{handle.sandbox_id} in {timings.sandbox_create_s:.3f} s")
+            run = await self.agent.run(handle, task.instruction, request.sample_id,
+                                       request.sampling_params,
+                                       task.config.agent.timeout_sec, progress)
+            timings.generate_s, timings.exec_s = run.generate_s, run.exec_s
+            verdict = await verify(self.provider, handle, task)
+            timings.verify_s = verdict.verify_s
+        except RiptideError as exc:
+            log.warning("episode %s of %s has no verdict: %s", request.sample_id, task.name, exc)
+            verdict = Verdict.no_verdict(f"{type(exc).__name__}: {exc}")
+        finally:
+            if handle is not None:
+                await self._delete_shielded(handle)
+        if verdict.status == common_pb2.VERDICT_STATUS_SCORED:
+            progress("verifier", run.num_turns if run else 0, f"reward {verdict.reward:g}")
+        else:
+            progress("verifier", run.num_turns if run else 0, f"no_verdict: {verdict.message}")
+        timings.total_s = time.monotonic() - queued
+        return _trajectory(task, request, run, verdict, timings)
+
+    async def _acquire(self, task: Task, sample_id: str,
+                       timings: common_pb2.EpisodeTimings) -> SandboxHandle:
+        labels = {"riptide.run": self.run_name, "riptide.task": task.name,
+                  "riptide.episode": sample_id}
+        waited = time.monotonic()
+        creation = asyncio.ensure_future(self._create(task, labels, waited))
+        try:
+            handle = await asyncio.shield(creation)
+        except asyncio.CancelledError:
+            # The create goes on; whatever it yields must not outlive this episode.
+            creation.add_done_callback(self._delete_late_arrival)
+            raise
+        timings.sandbox_create_s = time.monotonic() - waited
+        return handle
+
+    async def _create(self, task: Task, labels: dict[str, str], waited: float) -> SandboxHandle:
+        async with self.creates:
+            started = time.monotonic()
+            try:
+                handle = await self.provider.create(task, labels=labels)
+            except BaseException:
+                self.stats.create_failed()
+                raise
+        now = time.monotonic()
+        self.stats.sandbox_created(handle, now - started, now - waited)
+        return handle
+
+    def _delete_late_arrival(self, creation: asyncio.Future[SandboxHandle]) -> None:
+        if not creation.cancelled() and creation.exception() is None:
+            self._start_delete(creation.result())
+
+    def _start_delete(self, handle: SandboxHandle) -> asyncio.Task[None]:
+        deletion = asyncio.get_running_loop().create_task(self._delete(handle))
+        self._deletes.add(deletion)
+        deletion.add_done_callback(self._deletes.discard)
+        return deletion
+
+    async def _delete_shielded(self, handle: SandboxHandle) -> None:
+        await asyncio.shield(self._start_delete(handle))
+
+    async def _delete(self, handle: SandboxHandle) -> None:
+        ok = False
+        try:
+            await asyncio.wait_for(self.provider.delete(handle), self.delete_timeout_s)
+            ok = True
+        except Exception:  # noqa: BLE001 - counted and logged; the episode's result stands
+            log.exception("deleting sandbox %s failed", handle.sandbox_id)
+        finally:
+            self.stats.sandbox_deleted(handle, ok)
+
+    async def drain_deletes(self, timeout_s: float) -> None:
+        """Wait for deletions still in flight (at shutdown)."""
+        if self._deletes:
+            await asyncio.wait(set(self._deletes), timeout=timeout_s)
+
+
+def _trajectory(task: Task, request: sandbox_pb2.RunEpisodeRequest, run: AgentRun | None,
+                verdict: Verdict, timings: common_pb2.EpisodeTimings) -> common_pb2.Trajectory:
+    trajectory = common_pb2.Trajectory(
+        sample_id=request.sample_id, group_id=request.group_id, task_id=task.name,
+        sample_index=request.sample_index, reward=verdict.reward, status=verdict.status,
+        status_message=verdict.message, timings=timings)
+    if run is not None:
+        trace = run.trace
+        trajectory.prompt_ids.extend(trace.prompt_ids)
+        trajectory.response_ids.extend(trace.response_ids)
+        trajectory.loss_mask.extend(trace.loss_mask)
+        trajectory.rollout_logprobs.extend(trace.logprobs)
+        trajectory.weight_versions.extend(trace.weight_versions)
+        trajectory.num_turns = run.num_turns
+        trajectory.finish_reason = run.finish_reason
+    return trajectory

@@ -1,0 +1,355 @@
+"""The local provider: one bubblewrap sandbox per episode on this machine.
+
+Each sandbox is a directory tree (providers/local_tree.py) that every command sees as `/`,
+run by a fresh `bwrap` per command (providers/bwrap.py) with no network, no view of host
+files outside the tree, and rlimits; as root each sandbox also gets a host uid of its own
+(providers/local_uids.py). Built by `make_provider` for `type = "local"`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import math
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from services.common.config import StrictModel
+from services.sandbox.provider import ExecResult, SandboxError, SandboxHandle, SandboxProvider
+from services.sandbox.providers import local_tree
+from services.sandbox.providers.bwrap import Limits, SandboxRun, bwrap_argv, limit_argv
+from services.sandbox.providers.local_uids import UidPool, kill_uid, threads_of_uid
+from services.sandbox.task import Task
+
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_TRANSFER_TIMEOUT_S = 120.0
+
+
+class LocalProviderConfig(StrictModel):
+    """Settings of local (bubblewrap) sandboxes."""
+
+    type: Literal["local"] = Field("local", description="provider kind")
+    root_dir: Path | None = Field(
+        None, description="where sandbox trees live (default: /dev/shm if a tmpfs, else tmp)"
+    )
+    bwrap_path: str = Field("/usr/bin/bwrap", description="the bubblewrap binary")
+    max_processes: int = Field(256, ge=8, description="processes+threads per sandbox (NPROC)")
+    max_memory_mb: int = Field(4096, ge=64, description="cap on a task's memory (RLIMIT_AS)")
+    max_storage_mb: int = Field(10240, ge=1, description="cap on a task's largest file (FSIZE)")
+    max_output_kb: int = Field(1024, ge=1, description="output kept per command (head+tail)")
+    pin_cpus: bool = Field(True, description="pin each sandbox to the task's number of CPUs")
+    uid_base: int = Field(620000, ge=1000, description="first host uid of sandboxes (as root)")
+    num_uids: int = Field(4096, ge=1, description="host uids reserved for sandboxes (as root)")
+
+
+@dataclass
+class _Sandbox:
+    handle: SandboxHandle
+    root: Path
+    uid: int | None
+    limits: Limits
+    env: dict[str, str]
+    runs: set[SandboxRun] = field(default_factory=set)
+    deleted: bool = False
+
+    @property
+    def fs(self) -> Path:
+        return self.root / "fs"
+
+
+class LocalProvider(SandboxProvider):
+    """Bubblewrap sandboxes on this machine."""
+
+    name = "local"
+
+    def __init__(self, config: LocalProviderConfig) -> None:
+        self.config = config
+        if not os.access(config.bwrap_path, os.X_OK):
+            raise SandboxError(f"bubblewrap not found at {config.bwrap_path}; install bubblewrap")
+        base = config.root_dir or _default_root()
+        base.mkdir(parents=True, exist_ok=True)
+        os.chmod(base, 0o711)
+        _remove_dead_instances(base)
+        # On tmpfs a tree takes ~2 ms to build: cheaper inline than through a worker thread.
+        self._inline_fs_ops = _on_tmpfs(base)
+        self._dir = base / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._dir.mkdir(mode=0o711)
+        self._ro_binds = local_tree.host_system_binds()
+        self._skeleton = self._dir / "skeleton"
+        local_tree.build_skeleton(self._skeleton, self._ro_binds)
+        self._uids = UidPool(config.uid_base, config.num_uids) if os.geteuid() == 0 else None
+        self._sandboxes: dict[str, _Sandbox] = {}
+        self._plans: dict[Path, Any] = {}
+        self._cpu_ids = sorted(os.sched_getaffinity(0))
+        self._next_cpu = 0
+        self._create_ms: list[float] = []
+        try:
+            self._probe()
+        except BaseException:
+            local_tree.remove_tree(self._dir)
+            raise
+
+    def _probe(self) -> None:
+        """Fail loudly now if this machine cannot make user namespaces: never run unsandboxed."""
+        uid = self._uids.lease() if self._uids else None
+        root = self._dir / "probe"
+        try:
+            local_tree.populate(root, self._skeleton, [], [])
+            if uid is not None:
+                local_tree.chown_tree(root, uid)
+            argv = bwrap_argv(self.config.bwrap_path, root, self._ro_binds, {"PATH": _PATH},
+                              "/", ["true"])(2)
+            argv[argv.index("--json-status-fd") : argv.index("--json-status-fd") + 2] = []
+            result = subprocess.run(argv, capture_output=True, text=True, timeout=30,
+                                    user=uid, group=uid, extra_groups=[] if uid else None)
+        finally:
+            local_tree.remove_tree(root)
+            if uid is not None and self._uids:
+                self._uids.release(uid)
+        if result.returncode != 0:
+            raise SandboxError(
+                "local sandboxes need unprivileged user namespaces and bubblewrap, which failed "
+                f"here: {result.stderr.strip()!r}. Check sysctls kernel.unprivileged_userns_clone,"
+                " user.max_user_namespaces and kernel.apparmor_restrict_unprivileged_userns; "
+                "there is no unsandboxed fallback."
+            )
+
+    def _limits(self, task: Task) -> Limits:
+        env = task.config.environment
+        cpus = max(1, math.ceil(env.cpus))
+        cpu_list = None
+        if self.config.pin_cpus and cpus < len(self._cpu_ids):
+            start = self._next_cpu
+            self._next_cpu = (start + cpus) % len(self._cpu_ids)
+            cpu_list = tuple(self._cpu_ids[(start + i) % len(self._cpu_ids)] for i in range(cpus))
+        return Limits(
+            memory_mb=min(env.memory_mb, self.config.max_memory_mb),
+            max_processes=self.config.max_processes,
+            file_size_mb=min(env.storage_mb, self.config.max_storage_mb),
+            cpu_list=cpu_list,
+        )
+
+    async def create(self, task: Task,
+                     labels: Mapping[str, str] | None = None) -> SandboxHandle:
+        start = time.monotonic()
+        plan = self._plans.get(task.path)
+        if plan is None:
+            plan = self._plans[task.path] = local_tree.copy_plan(task, self._ro_binds)
+        sandbox_id = f"sbx-{uuid.uuid4().hex[:12]}"
+        root = self._dir / sandbox_id
+        uid = self._uids.lease() if self._uids else None
+        try:
+            await self._fs_op(self._make_tree, root, plan, uid)
+        except BaseException:
+            await self._fs_op(local_tree.remove_tree, root)
+            if uid is not None and self._uids:
+                self._uids.release(uid)
+            raise
+        env = {"PATH": _PATH, "HOME": "/root", "USER": "root", "LANG": "C.UTF-8",
+               "TERM": "dumb", "SHELL": "/bin/bash", "HOSTNAME": "sandbox"}
+        env.update(task.dockerfile.env if task.dockerfile else {})
+        env["RIPTIDE_SANDBOX_ID"] = sandbox_id
+        handle = SandboxHandle(
+            sandbox_id=sandbox_id, task_name=task.name, provider=self.name,
+            workdir=task.workdir, created_at=time.time(),
+            info={"root": str(root / "fs"), "uid": uid, "labels": dict(labels or {})},
+        )
+        self._sandboxes[sandbox_id] = _Sandbox(handle, root, uid, self._limits(task), env)
+        self._create_ms.append((time.monotonic() - start) * 1000)
+        del self._create_ms[:-1000]
+        return handle
+
+    async def _fs_op(self, func: Any, *args: Any) -> Any:
+        if self._inline_fs_ops:
+            return func(*args)
+        return await asyncio.to_thread(func, *args)
+
+    def _make_tree(self, root: Path, plan: Any, uid: int | None) -> None:
+        root.mkdir(mode=0o700)
+        local_tree.populate(root / "fs", self._skeleton, *plan)
+        if uid is not None:
+            local_tree.chown_tree(root, uid)
+
+    def _get(self, handle: SandboxHandle) -> _Sandbox:
+        sandbox = self._sandboxes.get(handle.sandbox_id)
+        if sandbox is None or sandbox.deleted:
+            raise SandboxError(f"sandbox {handle.sandbox_id} does not exist (deleted?)")
+        return sandbox
+
+    async def _run(
+        self, sandbox: _Sandbox, argv: list[str], timeout_s: float, cwd: str,
+        env: Mapping[str, str] | None = None, stdin: bytes | None = None,
+        merge_stderr: bool = True, max_output_bytes: int | None = None,
+    ) -> tuple[SandboxRun, Any]:
+        for mount in self._ro_binds:  # a mount point swapped for a symlink would redirect binds
+            target = sandbox.fs / mount.lstrip("/")
+            if target.is_symlink() or not target.is_dir():
+                raise SandboxError(f"sandbox {sandbox.handle.sandbox_id}: {mount} was tampered")
+        full_env = {**sandbox.env, **(env or {})}
+        inner = bwrap_argv(self.config.bwrap_path, sandbox.fs, self._ro_binds, full_env, cwd,
+                           argv)
+        limits = sandbox.limits
+        if sandbox.uid is None:  # sharing the user's uid: NPROC counts all of its threads too
+            limits = dataclasses.replace(
+                limits, max_processes=limits.max_processes + threads_of_uid(os.getuid())
+            )
+        prefix = limit_argv(limits, cpu_time_s=timeout_s + 1)
+        cap = max_output_bytes or self.config.max_output_kb * 1024
+        run = SandboxRun(lambda fd: [*prefix, *inner(fd)], sandbox.uid, cap)
+        sandbox.runs.add(run)
+        try:
+            outcome = await run.run(timeout_s, stdin=stdin, merge_stderr=merge_stderr)
+        finally:
+            sandbox.runs.discard(run)
+        if sandbox.deleted:
+            raise SandboxError(f"sandbox {sandbox.handle.sandbox_id} was deleted during a command")
+        if not run.started and not outcome.timed_out:
+            raise SandboxError(
+                f"bubblewrap failed to start sandbox {sandbox.handle.sandbox_id}: "
+                f"{(outcome.stdout + outcome.stderr).decode(errors='replace').strip()[-2000:]}"
+            )
+        return run, outcome
+
+    async def exec(
+        self,
+        handle: SandboxHandle,
+        command: str,
+        timeout_s: float,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ExecResult:
+        sandbox = self._get(handle)
+        _, out = await self._run(sandbox, ["bash", "-lc", command], timeout_s,
+                                 cwd or handle.workdir, env)
+        return ExecResult(
+            exit_code=out.exit_code, stdout=out.stdout.decode(errors="replace"),
+            timed_out=out.timed_out, duration_s=out.duration_s, output_truncated=out.truncated,
+        )
+
+    async def upload(self, handle: SandboxHandle, local_path: Path | str, remote_path: str) -> None:
+        sandbox = self._get(handle)
+        local = Path(local_path)
+        if not local.exists():
+            raise FileNotFoundError(f"{local}: no such file or directory to upload")
+        remote = "/" + remote_path.strip("/")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            if local.is_dir():
+                for child in sorted(local.iterdir()):
+                    tar.add(child, arcname=child.name)
+                target_dir = remote
+            else:
+                tar.add(local, arcname=os.path.basename(remote))
+                target_dir = os.path.dirname(remote) or "/"
+        script = 'mkdir -p -- "$1" && exec tar -x --no-same-owner -f - -C "$1"'
+        _, out = await self._run(sandbox, ["bash", "-c", script, "upload", target_dir],
+                                 _TRANSFER_TIMEOUT_S, "/", stdin=buf.getvalue())
+        if out.exit_code != 0:
+            raise SandboxError(f"upload to {remote} failed: {out.stdout.decode(errors='replace')}")
+
+    async def download(
+        self, handle: SandboxHandle, remote_path: str, local_path: Path | str
+    ) -> None:
+        sandbox = self._get(handle)
+        remote = "/" + remote_path.strip("/")
+        parent, name = os.path.dirname(remote) or "/", os.path.basename(remote) or "."
+        script = (
+            'cd -- "$1" 2>/dev/null && { test -e "$2" || test -L "$2"; } || exit 44; '
+            'exec tar -cf - -- "$2"'
+        )
+        _, out = await self._run(
+            sandbox, ["bash", "-c", script, "download", parent, name], _TRANSFER_TIMEOUT_S, "/",
+            merge_stderr=False, max_output_bytes=1 << 40,
+        )
+        if out.exit_code == 44:
+            raise FileNotFoundError(f"{remote}: not found in sandbox {handle.sandbox_id}")
+        if out.exit_code != 0:
+            reason = out.stderr.decode(errors="replace")
+            raise SandboxError(f"download of {remote} failed: {reason}")
+        try:
+            await asyncio.to_thread(_extract_single, out.stdout, name, Path(local_path))
+        except tarfile.TarError as exc:  # e.g. a link pointing out of what was downloaded
+            raise SandboxError(f"download of {remote} refused: {exc}") from None
+
+    async def delete(self, handle: SandboxHandle) -> None:
+        sandbox = self._sandboxes.get(handle.sandbox_id)
+        if sandbox is None or sandbox.deleted:
+            return
+        sandbox.deleted = True
+        try:
+            await asyncio.gather(*(run.kill() for run in list(sandbox.runs)))
+            if sandbox.uid is not None:
+                await asyncio.to_thread(kill_uid, sandbox.uid)
+            await self._fs_op(local_tree.remove_tree, sandbox.root)
+        finally:
+            if sandbox.uid is not None and self._uids:
+                self._uids.release(sandbox.uid)
+            del self._sandboxes[handle.sandbox_id]
+
+    async def close(self) -> None:
+        """Delete every live sandbox and this provider's directory."""
+        await asyncio.gather(*(self.delete(s.handle) for s in list(self._sandboxes.values())))
+        await asyncio.to_thread(local_tree.remove_tree, self._dir)
+
+    def stats(self) -> dict[str, Any]:
+        ms = sorted(self._create_ms)
+        return {
+            "sandboxes_alive": len(self._sandboxes),
+            "commands_running": sum(len(s.runs) for s in self._sandboxes.values()),
+            "create_ms_p50": ms[len(ms) // 2] if ms else None,
+        }
+
+
+def _extract_single(data: bytes, name: str, local: Path) -> None:
+    """Unpack a one-entry tar (file or directory `name`) to `local`, replacing it."""
+    local.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=local.parent) as tmp:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(tmp, filter="data")
+        if local.is_dir() and not local.is_symlink():
+            shutil.rmtree(local)
+        elif local.exists() or local.is_symlink():
+            local.unlink()
+        os.replace(os.path.join(tmp, name), local)
+
+
+def _default_root() -> Path:
+    """Memory-backed when possible: creating a tree is ~40 inodes, 100x faster on tmpfs."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and os.statvfs(shm).f_bavail > 0:
+        return shm / "riptide-sandboxes"
+    return Path(tempfile.gettempdir()) / "riptide-sandboxes"
+
+
+def _on_tmpfs(path: Path) -> bool:
+    """Whether `path` lies on a tmpfs (the longest matching mount point in /proc/mounts)."""
+    best, fstype = "", ""
+    resolved = str(path.resolve())
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            mount = fields[1]
+            inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best):
+                best, fstype = mount, fields[2]
+    return fstype == "tmpfs"
+
+
+def _remove_dead_instances(base: Path) -> None:
+    """Remove trees left by providers whose process is gone (a crash)."""
+    for entry in base.iterdir():
+        pid = entry.name.split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            local_tree.remove_tree(entry)
