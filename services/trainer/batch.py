@@ -1,0 +1,143 @@
+"""Turn finished groups into training tensors: advantages, token alignment, micro-batches.
+
+Each scored sample becomes one row `prompt_ids + response_ids`; per-token arrays (loss mask,
+rollout log-probs, advantages) line up with the token ids (index t belongs to token t), the
+prompt part masked out. Rows are right-padded (plain RoPE numbers positions 0..S-1 per row,
+so a row must start at position 0) and grouped, longest first, into micro-batches of at most
+`max_tokens_per_microbatch` padded tokens. Called by data.py; consumed by step.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group
+from services.common.errors import InvalidRequest
+from services.trainer.loss import group_advantages
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded rows `[B, T]`; per-token tensors aligned with `input_ids`."""
+
+    input_ids: Tensor
+    loss_mask: Tensor
+    rollout_logprobs: Tensor
+    advantages: Tensor
+    lengths: list[int]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+
+@dataclass
+class RolloutBatch:
+    """`rollout_batch_size` groups as micro-batches, with what the loop must record."""
+
+    micro_batches: list[MicroBatch]
+    entry_ids: list[str]
+    group_ids: list[str]
+    rewards: list[float]
+    min_weight_versions: list[int] = field(default_factory=list)
+    num_samples: int = 0
+    num_tokens: int = 0
+    num_dropped_samples: int = 0
+    wait_s: float = 0.0
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(mb.num_loss_tokens for mb in self.micro_batches)
+
+
+@dataclass
+class _Row:
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    advantage: float
+
+
+def _rows_of(group: Group, normalize_std: bool) -> tuple[list[_Row], list[float], int]:
+    scored = [s for s in group.samples if s.status == VERDICT_STATUS_SCORED]
+    if not scored:
+        return [], [], len(group.samples)
+    rewards = [s.reward for s in scored]
+    adv = group_advantages(torch.tensor([rewards]), normalize_std)[0].tolist()
+    rows = []
+    for sample, a in zip(scored, adv, strict=True):
+        n = len(sample.response_ids)
+        if len(sample.loss_mask) != n or len(sample.rollout_logprobs) != n:
+            raise InvalidRequest(
+                f"sample {sample.sample_id} of group {group.group_id}: loss_mask "
+                f"({len(sample.loss_mask)}) and rollout_logprobs ({len(sample.rollout_logprobs)})"
+                f" must have one entry per response token ({n})"
+            )
+        p = len(sample.prompt_ids)
+        rows.append(
+            _Row(
+                ids=list(sample.prompt_ids) + list(sample.response_ids),
+                mask=[0] * p + [int(m != 0) for m in sample.loss_mask],
+                logprobs=[0.0] * p + list(sample.rollout_logprobs),
+                advantage=a,
+            )
+        )
+    return rows, rewards, len(group.samples) - len(scored)
+
+
+def _micro_batch(rows: list[_Row], pad_id: int) -> MicroBatch:
+    width = max(len(r.ids) for r in rows)
+    shape = (len(rows), width)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    mask = torch.zeros(shape, dtype=torch.float32)
+    logprobs = torch.zeros(shape, dtype=torch.float32)
+    adv = torch.zeros(shape, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        n = len(r.ids)
+        ids[i, :n] = torch.tensor(r.ids)
+        mask[i, :n] = torch.tensor(r.mask, dtype=torch.float32)
+        logprobs[i, :n] = torch.tensor(r.logprobs)
+        adv[i, :n] = r.advantage
+    return MicroBatch(ids, mask, logprobs, adv, [len(r.ids) for r in rows])
+
+
+def pack_groups(
+    entries: list[tuple[str, Group]],
+    normalize_std: bool,
+    max_tokens_per_microbatch: int,
+    pad_id: int = 0,
+) -> RolloutBatch:
+    """Pack (entry_id, group) pairs into a RolloutBatch; samples without a verdict are dropped."""
+    rows: list[_Row] = []
+    rewards: list[float] = []
+    dropped = 0
+    for _, group in entries:
+        group_rows, group_rewards, group_dropped = _rows_of(group, normalize_std)
+        rows += group_rows
+        rewards += group_rewards
+        dropped += group_dropped
+    rows.sort(key=lambda r: len(r.ids), reverse=True)
+    micro: list[MicroBatch] = []
+    current: list[_Row] = []
+    for row in rows:
+        # Rows are sorted longest first, so the first row of a micro-batch sets its width.
+        width = len(current[0].ids) if current else len(row.ids)
+        if current and width * (len(current) + 1) > max_tokens_per_microbatch:
+            micro.append(_micro_batch(current, pad_id))
+            current = []
+        current.append(row)
+    if current:
+        micro.append(_micro_batch(current, pad_id))
+    return RolloutBatch(
+        micro_batches=micro,
+        entry_ids=[entry_id for entry_id, _ in entries],
+        group_ids=[g.group_id for _, g in entries],
+        rewards=rewards,
+        min_weight_versions=[g.min_weight_version for _, g in entries],
+        num_samples=len(rows),
+        num_tokens=sum(len(r.ids) for r in rows),
+        num_dropped_samples=dropped,
+    )

@@ -1,0 +1,114 @@
+"""The trainer's side of the sample stream: recover after a restart, then read whole batches.
+
+`GroupStream` reads groups through `SampleBuffer` as one consumer of the consumer group
+`trainer`, `rollout_batch_size` groups per batch, blocking in XREADGROUP while the stream is
+empty (never polling), and records that blocked time as the batch's `wait_s` (bubble).
+It never acknowledges what it trains: loop.py acks entries once the checkpoint covering them
+is durable. After a restart, `recover()` acks what the last checkpoint covers and re-reads
+every other pending entry (XAUTOCLAIM) ahead of new ones, so no group is skipped and none is
+trained twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from services._proto.riptide.v1.common_pb2 import Group
+from services.common.buffer import SampleBuffer
+from services.trainer.batch import RolloutBatch, pack_groups
+
+_RECLAIM_ALL = 1 << 30
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What `recover()` found in the stream."""
+
+    acked_covered: int
+    skipped_trained: int
+    requeued: int
+
+
+class GroupStream:
+    """Batches of groups from the Redis sample stream, for a single trainer consumer."""
+
+    def __init__(
+        self,
+        buffer: SampleBuffer,
+        consumer: str,
+        rollout_batch_size: int,
+        normalize_std: bool,
+        max_tokens_per_microbatch: int,
+        block_ms: int = 1000,
+        pad_id: int = 0,
+    ) -> None:
+        self.buffer = buffer
+        self.consumer = consumer
+        self.rollout_batch_size = rollout_batch_size
+        self.normalize_std = normalize_std
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.block_ms = block_ms
+        self.pad_id = pad_id
+        self._backlog: deque[tuple[str, Group]] = deque()
+        self.total_wait_s = 0.0
+
+    def recover(self, covered_entry_ids: Iterable[str], trained_group_ids: set[str]) -> Recovery:
+        """Ack entries the checkpoint covers; queue every other pending entry to be read first.
+
+        The trainer is the stream's only consumer, so every pending entry at start-up belongs
+        to a previous incarnation of it and is claimed at once (min idle 0).
+        """
+        acked = self.buffer.ack(list(covered_entry_ids))
+        skipped: list[str] = []
+        for entry_id, group in self.buffer.reclaim(self.consumer, 0, _RECLAIM_ALL):
+            if group.group_id in trained_group_ids:
+                skipped.append(entry_id)
+            else:
+                self._backlog.append((entry_id, group))
+        self.buffer.ack(skipped)
+        return Recovery(acked, len(skipped), len(self._backlog))
+
+    def ack(self, entry_ids: list[str]) -> int:
+        """Acknowledge (and delete) entries whose training is durably checkpointed."""
+        return self.buffer.ack(entry_ids)
+
+    def next_batch(
+        self, should_stop: Callable[[], bool], trained_group_ids: set[str]
+    ) -> RolloutBatch | None:
+        """The next `rollout_batch_size` groups, packed; None when asked to stop first.
+
+        Entries whose group id was already trained (a producer duplicate) are acked and left
+        out. Waits in blocking reads of at most `block_ms` so that a stop is seen promptly.
+        """
+        entries: list[tuple[str, Group]] = []
+        seen: set[str] = set()
+        wait_s = 0.0
+        while len(entries) < self.rollout_batch_size:
+            if self._backlog:
+                fresh = [self._backlog.popleft()]
+            else:
+                if should_stop():
+                    self._backlog.extendleft(reversed(entries))
+                    return None
+                start = time.monotonic()
+                fresh = self.buffer.read(
+                    self.consumer, self.rollout_batch_size - len(entries), self.block_ms
+                )
+                wait_s += time.monotonic() - start
+            duplicates = []
+            for entry_id, group in fresh:
+                if group.group_id in trained_group_ids or group.group_id in seen:
+                    duplicates.append(entry_id)
+                else:
+                    seen.add(group.group_id)
+                    entries.append((entry_id, group))
+            self.buffer.ack(duplicates)
+        batch = pack_groups(
+            entries, self.normalize_std, self.max_tokens_per_microbatch, self.pad_id
+        )
+        batch.wait_s = wait_s
+        self.total_wait_s += wait_s
+        return batch

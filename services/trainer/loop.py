@@ -1,0 +1,172 @@
+"""The trainer's main loop: read batch, step, checkpoint, ack, sync.
+
+`TrainerLoop.run` is the whole control flow; the work lives in data.py (stream), step.py
+(loss and optimizer updates), checkpoint.py and the injected weight-sync callable. The
+policy is injected too, so the same loop drives the megatron model (service.py) and tiny
+torch models (tests). Entries are acked only after the checkpoint covering them is durable;
+on start the loop resumes from the newest checkpoint and re-reads what it had not covered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.trainer.batch import RolloutBatch
+from services.trainer.checkpoint import Checkpointer, TrainerState
+from services.trainer.config import TrainerConfig
+from services.trainer.data import GroupStream, Recovery
+from services.trainer.policy import LogprobSource, Policy
+from services.trainer.stats import StepRecord, TrainerStats
+from services.trainer.step import train_step
+
+#: Pushes the policy's weights to the engines as the given weight version.
+WeightSyncFn = Callable[[int], Any]
+_SYNC_MARKER = "weight_version_sent.json"
+
+
+class TrainerLoop:
+    """Trains from the stream until stopped (or `max_steps`), checkpointing as it goes."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        policy: Policy,
+        stream: GroupStream,
+        checkpointer: Checkpointer,
+        sync: WeightSyncFn | None = None,
+        reference: LogprobSource | None = None,
+        stats: TrainerStats | None = None,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.stream = stream
+        self.checkpointer = checkpointer
+        self.sync = sync
+        self.reference = reference
+        self.stats = stats or TrainerStats()
+        self.state = TrainerState()
+        self.recovery: Recovery | None = None
+        self.unpaused = threading.Event()
+        self.unpaused.set()
+
+    def run(self, should_stop: Callable[[], bool]) -> TrainerState:
+        self._resume()
+        while not should_stop() and not self._reached_max_steps():
+            if not self.unpaused.wait(timeout=0.2):
+                continue
+            self.stats.set_phase("waiting")
+            batch = self.stream.next_batch(should_stop, self._trained)  # read (blocks)
+            if batch is None:
+                break
+            self.stats.set_phase("training")
+            trained_version, start = self.state.weight_version, time.monotonic()
+            metrics = train_step(                                       # step
+                self.policy, batch, self.config.loss.settings(),
+                self.config.num_minibatches, self.reference,
+            )  # fmt: skip
+            step_s = time.monotonic() - start
+            self._advance(batch)
+            checkpoint_s = 0.0
+            if self.state.step % self.config.checkpoint.interval_steps == 0:
+                checkpoint_s = self._checkpoint_and_ack()                # checkpoint, ack
+            sync_s = 0.0
+            if self.sync and self.state.step % self.config.weight_sync.interval_steps == 0:
+                sync_s = self._sync()                                    # sync
+            self._record(batch, metrics, trained_version, step_s, checkpoint_s, sync_s)
+        if self.state.unacked_entry_ids:
+            self._checkpoint_and_ack()
+        self.stats.set_phase("stopped")
+        return self.state
+
+    def _reached_max_steps(self) -> bool:
+        return 0 < self.config.max_steps <= self.state.step
+
+    def _resume(self) -> None:
+        self.stats.set_phase("resuming")
+        self.checkpointer.discard_incomplete()
+        self.state = self.checkpointer.load(self.policy) or TrainerState()
+        self._trained = set(self.state.trained_group_ids)
+        self.recovery = self.stream.recover(self.state.unacked_entry_ids, self._trained)
+        self.state.unacked_entry_ids = []
+        sent = self._read_sync_marker()
+        if self.sync and sent > self.state.weight_version:
+            # The engines may hold weights of steps lost with the crash: push the checkpoint's
+            # weights under a version number never used before.
+            self.state.weight_version = sent
+            self._sync()
+
+    def _advance(self, batch: RolloutBatch) -> None:
+        self.state.step += 1
+        self.state.trained_group_ids += batch.group_ids
+        self._trained.update(batch.group_ids)
+        self.state.unacked_entry_ids += batch.entry_ids
+        self.state.num_samples += batch.num_samples
+        self.state.num_tokens += batch.num_tokens
+
+    def _checkpoint_and_ack(self) -> float:
+        start = time.monotonic()
+        self.stats.set_phase("checkpointing")
+        self.checkpointer.save(self.policy, self.state)
+        self.stream.ack(self.state.unacked_entry_ids)
+        self.state.unacked_entry_ids = []
+        return time.monotonic() - start
+
+    def _sync(self) -> float:
+        assert self.sync is not None
+        start = time.monotonic()
+        self.stats.set_phase("syncing")
+        self.state.weight_version += 1
+        self._write_sync_marker(self.state.weight_version)
+        self.sync(self.state.weight_version)
+        return time.monotonic() - start
+
+    def _marker_path(self) -> Path:
+        return self.checkpointer.directory / _SYNC_MARKER
+
+    def _read_sync_marker(self) -> int:
+        try:
+            return int(json.loads(self._marker_path().read_text())["weight_version"])
+        except FileNotFoundError:
+            return 0
+
+    def _write_sync_marker(self, version: int) -> None:
+        tmp = self._marker_path().with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"weight_version": version}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._marker_path())
+
+    def _record(
+        self,
+        batch: RolloutBatch,
+        metrics: dict[str, float],
+        trained_version: int,
+        step_s: float,
+        checkpoint_s: float,
+        sync_s: float,
+    ) -> None:
+        staleness = [max(0, trained_version - v) for v in batch.min_weight_versions]
+        self.stats.record(
+            StepRecord(
+                step=self.state.step,
+                weight_version=self.state.weight_version,
+                step_s=step_s,
+                wait_s=batch.wait_s,
+                checkpoint_s=checkpoint_s,
+                weight_sync_s=sync_s,
+                num_groups=len(batch.group_ids),
+                num_samples=batch.num_samples,
+                num_tokens=batch.num_tokens,
+                reward_mean=sum(batch.rewards) / max(len(batch.rewards), 1),
+                staleness_mean=sum(staleness) / max(len(staleness), 1),
+                staleness_max=max(staleness, default=0),
+                metrics=metrics,
+            )
+        )

@@ -1,0 +1,87 @@
+"""Build the trainer's policy from config: the megatron GPT model from a Hugging Face folder.
+
+Sets up the ranks (parallel.py), builds the model (model.py), loads the Hugging Face weights
+(convert.py) and wraps it in a `ModelPolicy` with per-token log-probs from logprobs.py and
+`MasterAdam` (optimizer state in memory, or streamed from `stream_optimizer_state_to_disk`).
+Called by service.py; tests call it for the real-model paths.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common.errors import ConfigError
+from services.trainer.config import TrainerConfig
+from services.trainer.optimizer_stream import MasterAdam, megatron_no_decay
+from services.trainer.policy import FrozenModel, ModelPolicy
+
+
+@dataclass
+class BuiltPolicy:
+    """The policy and what weight sync needs alongside it."""
+
+    policy: ModelPolicy
+    reference: FrozenModel | None
+    model: Any
+    shape: Any
+    layout: Any
+    backend: str
+
+
+def build_model(config: TrainerConfig) -> tuple[Any, Any, Any, str]:
+    """(model, shape, layout, backend) of this rank, weights loaded from `model.hf_path`."""
+    from services.common.ports import free_port
+    from services.trainer.convert import load_hf_checkpoint
+    from services.trainer.model import ModelShape, build_gpt_model, load_hf_config
+    from services.trainer.parallel import init_parallel, resolve_backend
+
+    if not config.model.hf_path:
+        raise ConfigError("trainer.model.hf_path is empty; point it at a Hugging Face folder")
+    single = "WORLD_SIZE" not in os.environ
+    layout = init_parallel(
+        config.parallel,
+        master_port=free_port() if single else None,
+        seed=config.model.seed,
+    )
+    shape = ModelShape.from_hf(load_hf_config(config.model.hf_path))
+    model = build_gpt_model(shape, dtype=config.model.dtype)
+    load_hf_checkpoint(model, shape, config.model.hf_path)
+    return model, shape, layout, resolve_backend(config.parallel)
+
+
+def build_policy(config: TrainerConfig) -> BuiltPolicy:
+    """The megatron policy with its optimizer, as configured."""
+    import torch
+
+    from services.trainer.logprobs import token_logprobs
+
+    model, shape, layout, backend = build_model(config)
+    opt = config.optimizer
+    state_dir = opt.stream_optimizer_state_to_disk
+    if state_dir is not None and layout.world_size > 1:
+        state_dir = str(Path(state_dir) / f"rank{layout.rank:05d}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = MasterAdam(
+        [p for _, p in named],
+        lr=opt.lr,
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+        state_dir=state_dir,
+        bucket_mb=opt.bucket_mb,
+        moments_dtype=getattr(torch, opt.moments_dtype),
+        no_decay=megatron_no_decay(named),
+    )
+    policy = ModelPolicy(model, optimizer, token_logprobs, opt.max_grad_norm)
+    reference = None
+    if config.loss.kl_coef > 0:
+        from services.trainer.convert import load_hf_checkpoint
+        from services.trainer.model import build_gpt_model
+
+        ref_model = build_gpt_model(shape, dtype=config.model.dtype)
+        load_hf_checkpoint(ref_model, shape, config.loss.reference_hf_path or config.model.hf_path)
+        reference = FrozenModel(ref_model, token_logprobs)
+    return BuiltPolicy(policy, reference, model, shape, layout, backend)

@@ -1,0 +1,76 @@
+"""The trainer's model, parallelism and weight-sync settings (sub-sections of [trainer])."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config import StrictModel
+
+
+class ModelConfig(StrictModel):
+    """Which model the trainer builds and in what precision."""
+
+    hf_path: str = Field(
+        "", description="Hugging Face model folder (config.json and safetensors) to start from"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="parameter dtype of the megatron model"
+    )
+    seed: int = Field(1234, ge=0, description="seed of megatron's model-parallel RNG tracker")
+
+
+class ParallelConfig(StrictModel):
+    """How the trainer's ranks split the model; DP is whatever is left of the world size."""
+
+    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel size (TP)")
+    pipeline_parallel: int = Field(1, ge=1, description="pipeline-parallel size (PP)")
+    context_parallel: int = Field(1, ge=1, description="context-parallel size (CP)")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel size (EP, MoE only)")
+    data_parallel: int | None = Field(
+        None, ge=1, description="expected DP size; checked against world size / (TP*PP*CP)"
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend (auto: nccl with CUDA, else gloo)"
+    )
+    init_timeout_s: float = Field(300.0, gt=0, description="rendezvous timeout of the ranks")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+
+class WeightSyncConfig(StrictModel):
+    """How new weights reach the engines after a step."""
+
+    mode: Literal["rollout", "direct", "off"] = Field(
+        "rollout",
+        description="rollout: through Rollout.UpdateWeights; direct: post to engine_urls; off",
+    )
+    interval_steps: int = Field(1, ge=1, description="sync after every k-th optimizer step")
+    bucket_mb: float = Field(512.0, gt=0, description="size of one broadcast bucket in MiB")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype of the tensors on the wire (the engines' dtype)"
+    )
+    master_address: str = Field("127.0.0.1", description="trainer rank 0's rendezvous address")
+    master_port: int = Field(0, ge=0, le=65535, description="rendezvous port (0: a free one)")
+    group_name: str = Field(
+        "riptide-weights", min_length=1,
+        description="prefix of the weight-update group's name (a random suffix is added)",
+    )
+    rollout_address: str = Field(
+        "127.0.0.1:50052", description="host:port of the rollout service's gRPC endpoint"
+    )
+    engine_urls: list[str] = Field(
+        default_factory=list, description="engine base URLs for mode=direct"
+    )
+    timeout_s: float = Field(600.0, gt=0, description="limit for one whole weight update")
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> WeightSyncConfig:
+        if self.mode == "direct" and not self.engine_urls:
+            raise ValueError("mode=direct needs engine_urls (the engines' base URLs)")
+        if self.mode == "rollout" and not self.rollout_address:
+            raise ValueError("mode=rollout needs rollout_address (host:port of rollout gRPC)")
+        return self

@@ -1,0 +1,132 @@
+"""The trainer service: builds the policy, runs the training loop, reports its state.
+
+`TrainerRuntime` plugs into the shared gRPC/admin bootstrap (services/common/serve.py). The
+loop (loop.py) is blocking torch work, so it runs in one background thread; start() returns
+at once and readiness follows the loop. Pause and resume take effect between steps; stop
+lets the current step finish and checkpoints what was trained. Built by server.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import asdict
+from typing import Any
+
+import grpc
+
+from services.common.config import RedisConfig
+from services.common.service import ServiceRuntime, status_message
+from services.trainer.config import TrainerConfig
+from services.trainer.stats import TrainerStats
+
+log = logging.getLogger(__name__)
+
+
+class TrainerRuntime(ServiceRuntime):
+    """The trainer behind the shared gRPC server and admin app."""
+
+    name = "trainer"
+
+    def __init__(
+        self, config: TrainerConfig, redis: RedisConfig, run_name: str, grpc_token: str | None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.redis = redis
+        self.run_name = run_name
+        self.grpc_token = grpc_token
+        self.stats = TrainerStats()
+        self.loop: Any = None
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add_to_grpc(self, server: grpc.aio.Server) -> None:
+        from services._proto.riptide.v1 import common_pb2, trainer_pb2_grpc
+
+        runtime = self
+
+        class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+            async def GetStatus(  # noqa: N802
+                self, request: common_pb2.StatusRequest, context: grpc.aio.ServicerContext
+            ) -> common_pb2.ServiceStatus:
+                return status_message(runtime)
+
+        trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(), server)
+
+    async def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="trainer-loop", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self.loop = self._build_loop()
+            if self.paused:
+                self.loop.unpaused.clear()
+            self.loop.run(self._stop.is_set)
+        except Exception as exc:  # the thread's end: keep the cause visible in /admin/state
+            log.exception("trainer loop failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.stats.set_phase("failed")
+
+    def _build_loop(self) -> Any:
+        from services.common.buffer import SampleBuffer
+        from services.trainer.checkpoint import Checkpointer
+        from services.trainer.data import GroupStream
+        from services.trainer.loop import TrainerLoop
+        from services.trainer.megatron_policy import build_policy
+        from services.trainer.weight_sync import build_weight_sync
+
+        c = self.config
+        self.stats.set_phase("building")
+        built = build_policy(c)
+        if built.layout.world_size > 1:
+            raise NotImplementedError(
+                "the trainer loop runs one rank; launch the trainer with TP=PP=DP=1"
+            )
+        stream = GroupStream(
+            SampleBuffer(self.redis, self.run_name), c.consumer_name, c.rollout_batch_size,
+            c.loss.normalize_advantage_std, c.max_tokens_per_microbatch, c.read_block_ms,
+            c.pad_token_id,
+        )  # fmt: skip
+        weight_sync = build_weight_sync(c.weight_sync, built.backend, self.grpc_token)
+        sync = None
+        if weight_sync is not None:
+            sync = lambda version: weight_sync.sync(built.model, built.shape, version)  # noqa: E731
+        checkpointer = Checkpointer(c.checkpoint.dir, c.checkpoint.num_kept)
+        return TrainerLoop(
+            c, built.policy, stream, checkpointer, sync, built.reference, stats=self.stats
+        )
+
+    def ready(self) -> bool:
+        return self.error is None and self.stats.phase not in ("starting", "building", "failed")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    async def pause(self) -> None:
+        await super().pause()
+        if self.loop is not None:
+            self.loop.unpaused.clear()
+
+    async def resume(self) -> None:
+        await super().resume()
+        if self.loop is not None:
+            self.loop.unpaused.set()
+
+    def state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"error": self.error, **self.stats.snapshot()}
+        if self.loop is not None:
+            s = self.loop.state
+            out.update(
+                step=s.step,
+                weight_version=s.weight_version,
+                num_groups_trained=len(s.trained_group_ids),
+                num_unacked_entries=len(s.unacked_entry_ids),
+                recovery=asdict(self.loop.recovery) if self.loop.recovery else None,
+            )
+        return out

@@ -1,0 +1,114 @@
+"""The trainer's live numbers: the last step's figures, run totals, and Prometheus gauges.
+
+loop.py records one `StepRecord` per step; service.py shows `snapshot()` under /admin/state
+and the gauges under /metrics.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from services.common.metrics import counter, gauge
+
+_GAUGES = {
+    "step_s": "wall time of the last optimizer step (forward, backward, update)",
+    "wait_s": "time the last step waited for groups (bubble)",
+    "bubble_ratio": "share of the run's wall time spent waiting for groups",
+    "tokens_per_s": "tokens trained per second of step time, last step",
+    "loss": "policy loss of the last step",
+    "reward_mean": "mean reward of the last step's samples",
+    "clip_frac": "share of loss tokens whose PPO ratio was clipped, last step",
+    "tis_clip_frac": "share of loss tokens whose importance weight was truncated, last step",
+    "mismatch_kl": "KL(engine || trainer) estimate on the last step's tokens",
+    "staleness_mean": "mean weight versions between generation and training, last step",
+    "staleness_max": "largest weight-version lag of a group in the last step",
+    "checkpoint_s": "duration of the last checkpoint",
+    "weight_sync_s": "duration of the last weight sync",
+}
+
+
+@dataclass
+class StepRecord:
+    """What one step did and measured."""
+
+    step: int
+    weight_version: int
+    step_s: float
+    wait_s: float
+    checkpoint_s: float
+    weight_sync_s: float
+    num_groups: int
+    num_samples: int
+    num_tokens: int
+    reward_mean: float
+    staleness_mean: float
+    staleness_max: int
+    metrics: dict[str, float]
+
+
+class TrainerStats:
+    """Thread-safe store of the trainer's figures (the loop writes, admin requests read)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = time.monotonic()
+        self._last: StepRecord | None = None
+        self.total_wait_s = 0.0
+        self.total_step_s = 0.0
+        self.total_tokens = 0
+        self.phase = "starting"
+        self._gauges = {k: gauge(f"riptide_trainer_{k}", doc) for k, doc in _GAUGES.items()}
+        self._steps = counter("riptide_trainer_steps", "optimizer steps taken")
+        self._tokens = counter("riptide_trainer_tokens", "tokens trained")
+
+    def set_phase(self, phase: str) -> None:
+        with self._lock:
+            self.phase = phase
+
+    def record(self, rec: StepRecord) -> None:
+        with self._lock:
+            self._last = rec
+            self.total_wait_s += rec.wait_s
+            self.total_step_s += rec.step_s
+            self.total_tokens += rec.num_tokens
+            values = self._values(rec)
+        for key, value in values.items():
+            self._gauges[key].set(value)
+        self._steps.inc()
+        self._tokens.inc(rec.num_tokens)
+
+    def _values(self, rec: StepRecord) -> dict[str, float]:
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        return {
+            "step_s": rec.step_s,
+            "wait_s": rec.wait_s,
+            "bubble_ratio": self.total_wait_s / elapsed,
+            "tokens_per_s": rec.num_tokens / max(rec.step_s, 1e-9),
+            "loss": rec.metrics.get("loss", 0.0),
+            "reward_mean": rec.reward_mean,
+            "clip_frac": rec.metrics.get("clip_frac", 0.0),
+            "tis_clip_frac": rec.metrics.get("tis_clip_frac", 0.0),
+            "mismatch_kl": rec.metrics.get("mismatch_kl", 0.0),
+            "staleness_mean": rec.staleness_mean,
+            "staleness_max": float(rec.staleness_max),
+            "checkpoint_s": rec.checkpoint_s,
+            "weight_sync_s": rec.weight_sync_s,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able state: phase, totals and the last step."""
+        with self._lock:
+            rec = self._last
+            out: dict[str, Any] = {
+                "phase": self.phase,
+                "total_wait_s": round(self.total_wait_s, 3),
+                "total_step_s": round(self.total_step_s, 3),
+                "total_tokens": self.total_tokens,
+                "last_step": None,
+            }
+            if rec is not None:
+                out["last_step"] = {**asdict(rec), **self._values(rec)}
+        return out

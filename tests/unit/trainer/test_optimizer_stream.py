@@ -1,0 +1,121 @@
+"""The disk-streamed optimizer equals the in-memory one and torch's Adam/AdamW."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.trainer.optimizer_stream import MasterAdam, plan_buckets
+
+
+def _model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 16), torch.nn.Linear(16, 33), torch.nn.LayerNorm(33)
+    )
+    return model.to(dtype)
+
+
+def _grads(model: torch.nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def _run(model: torch.nn.Module, opt: object, steps: int) -> None:
+    for step in range(steps):
+        _grads(model, step)
+        opt.step()  # type: ignore[attr-defined]
+
+
+def test_plan_buckets_splits_params_across_buckets() -> None:
+    params = [torch.zeros(10), torch.zeros(3), torch.zeros(9)]
+    buckets = plan_buckets(params, 8)
+    assert [b.numel for b in buckets] == [8, 8, 6]
+    assert [(s.param_index, s.start, s.numel, s.offset) for s in buckets[1].slices] == [
+        (0, 8, 2, 0), (1, 0, 3, 2), (2, 0, 3, 5)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_fp32_matches_torch_adam_bit_for_bit(tmp_path: Path, decoupled: bool) -> None:
+    ref, mem, disk = _model(torch.float32), _model(torch.float32), _model(torch.float32)
+    kwargs = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    torch_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    ref_opt = torch_cls(ref.parameters(), foreach=False, **kwargs)
+    tiny_mb = 200 * 4 / 2**20  # 200-element buckets: params straddle bucket boundaries
+    mem_opt = MasterAdam(list(mem.parameters()), decoupled_weight_decay=decoupled, **kwargs)
+    disk_opt = MasterAdam(
+        list(disk.parameters()), decoupled_weight_decay=decoupled, state_dir=tmp_path,
+        bucket_mb=tiny_mb, **kwargs,
+    )  # fmt: skip
+    assert len(disk_opt.buckets) > 3
+    for model, opt in ((ref, ref_opt), (mem, mem_opt), (disk, disk_opt)):
+        _run(model, opt, 5)
+    for a, b, c in zip(ref.parameters(), mem.parameters(), disk.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    state = ref_opt.state[ref[1].weight]
+    disk_master, m, v = disk_opt._views(disk_opt.buckets[0], _read_bucket(tmp_path, 0))
+    first = ref[0].weight.numel()
+    assert first > 200 and torch.equal(disk_master, ref[0].weight.view(-1)[:200])
+    assert torch.equal(m, ref_opt.state[ref[0].weight]["exp_avg"].view(-1)[:200])
+    assert torch.equal(v, ref_opt.state[ref[0].weight]["exp_avg_sq"].view(-1)[:200])
+    assert state["step"].item() == 5
+
+
+def _read_bucket(directory: Path, index: int) -> torch.Tensor:
+    return torch.frombuffer(
+        bytearray((directory / f"bucket_{index:05d}.bin").read_bytes()), dtype=torch.uint8
+    )
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_bf16_params_disk_equals_memory(tmp_path: Path, moments: torch.dtype) -> None:
+    mem, disk = _model(torch.bfloat16), _model(torch.bfloat16)
+    kwargs = {"lr": 1e-2, "weight_decay": 0.01, "moments_dtype": moments}
+    mem_opt = MasterAdam(list(mem.parameters()), **kwargs)
+    disk_opt = MasterAdam(list(disk.parameters()), state_dir=tmp_path, bucket_mb=1e-3, **kwargs)
+    _run(mem, mem_opt, 4)
+    _run(disk, disk_opt, 4)
+    for a, b in zip(mem.parameters(), disk.parameters(), strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def test_bf16_params_follow_fp32_master_of_torch_adamw(tmp_path: Path) -> None:
+    """bf16 model params are the rounded fp32 masters of a torch AdamW run on bf16 grads."""
+    model = _model(torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.01, foreach=False)
+    opt = MasterAdam(
+        list(model.parameters()), lr=1e-2, weight_decay=0.01, state_dir=tmp_path, bucket_mb=1e-3
+    )
+    for step in range(4):
+        _grads(model, step)
+        for master, p in zip(masters, model.parameters(), strict=True):
+            master.grad = p.grad.float()
+        ref_opt.step()
+        opt.step()
+    for master, p in zip(masters, model.parameters(), strict=True):
+        assert torch.equal(master.detach().to(torch.bfloat16), p)
+
+
+def test_save_and_load_resume_identically(tmp_path: Path) -> None:
+    a, b = _model(torch.float32), _model(torch.float32)
+    opt_a = MasterAdam(list(a.parameters()), lr=1e-2, state_dir=tmp_path / "a", bucket_mb=1e-3)
+    _run(a, opt_a, 2)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    opt_a.save(ckpt)
+    opt_b = MasterAdam(list(b.parameters()), lr=1e-2, state_dir=tmp_path / "b", bucket_mb=1e-3)
+    opt_b.load(ckpt)
+    for step in range(2, 4):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            _grads(model, step)
+            opt.step()
+    for x, y in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y)
+    wrong = MasterAdam(list(b.parameters()), state_dir=tmp_path / "c", bucket_mb=2e-3)
+    with pytest.raises(ValueError, match="layout"):
+        wrong.load(ckpt)
