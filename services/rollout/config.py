@@ -1,0 +1,124 @@
+"""The [rollout] section of the deployment config: scheduler, engine fleet, weight updates."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config import ServiceConfig, StrictModel
+
+Granularity = Literal["sample", "group"]
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class SchedulerConfig(StrictModel):
+    """How many episodes run at once and when a new one may start (all live-tunable)."""
+
+    max_concurrent_samples: int = Field(128, ge=1, description="episodes kept in flight")
+    granularity: Granularity = Field(
+        "sample", description="sample: refill each freed slot at once; group: a whole group")
+    max_staleness: int | None = Field(
+        8, ge=0, description="weight versions a group may lag the trainer (None: unbounded)")
+    n_samples_per_prompt: int = Field(8, ge=1, description="episodes per task in one group")
+    num_groups_per_batch: int = Field(
+        8, ge=1, description="groups the trainer consumes per weight version (staleness budget)")
+    drop_zero_variance_groups: bool = Field(
+        False, description="drop groups whose samples all have the same reward")
+    max_queued_groups: int = Field(
+        16, ge=1, description="finished groups waiting for the buffer before admission stops")
+    temperature: float = Field(0.8, ge=0, description="sampling temperature of every turn")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of every turn")
+    max_new_tokens: int = Field(8192, ge=1, description="new tokens at most per turn")
+
+    @property
+    def batch_samples(self) -> int:
+        """Samples the trainer consumes per weight version."""
+        return self.num_groups_per_batch * self.n_samples_per_prompt
+
+    @model_validator(mode="after")
+    def _fits(self) -> SchedulerConfig:
+        if self.granularity == "group" and self.max_concurrent_samples < self.n_samples_per_prompt:
+            raise ValueError(
+                f"granularity 'group' needs max_concurrent_samples >= n_samples_per_prompt "
+                f"({self.n_samples_per_prompt}); raise it or use granularity 'sample'")
+        return self
+
+
+class SGLangConfig(StrictModel):
+    """The `sglang.launch_server` flags of every launched SGLang engine."""
+
+    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per engine")
+    dp_size: int = Field(1, ge=1, description="data-parallel ranks per engine")
+    ep_size: int = Field(1, ge=1, description="expert-parallel ranks per engine")
+    enable_dp_attention: bool = Field(False, description="DP attention (dp_size > 1)")
+    quantization: str | None = Field(None, description="e.g. fp8; None: the checkpoint's own")
+    kv_cache_dtype: str | None = Field(None, description="e.g. fp8_e4m3; None: auto")
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="static memory share")
+    page_size: int | None = Field(None, ge=1, description="KV cache page size in tokens")
+    chunked_prefill_size: int | None = Field(None, ge=1, description="prefill chunk in tokens")
+    max_running_requests: int | None = Field(None, ge=1, description="running requests cap")
+    cuda_graph_max_bs: int | None = Field(None, ge=1, description="largest CUDA-graph batch")
+    enable_metrics: bool = Field(True, description="serve Prometheus /metrics")
+    extra_args: list[str] = Field(default_factory=list, description="further flags, verbatim")
+
+    @model_validator(mode="after")
+    def _dp_attention(self) -> SGLangConfig:
+        if self.enable_dp_attention and self.dp_size < 2:
+            raise ValueError("enable_dp_attention needs dp_size >= 2")
+        return self
+
+
+class FleetConfig(StrictModel):
+    """Which engines the rollout service launches or attaches, and how it supervises them."""
+
+    kind: Literal["builtin", "sglang", "attach"] = Field(
+        "builtin", description="launch built-in engines, launch SGLang, or attach to urls")
+    num_engines: int = Field(0, ge=0, description="engines to launch (builtin, sglang)")
+    model_path: str = Field("", description="model folder the launched engines load")
+    engine_host: str = Field("127.0.0.1", description="address launched engines listen on")
+    base_port: int = Field(0, ge=0, le=65535, description="first engine port (0: free ports)")
+    attach_urls: list[str] = Field(default_factory=list, description="engines started elsewhere")
+    builtin_args: list[str] = Field(
+        default_factory=list, description="extra flags for `python -m services.rollout.engine`")
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="SGLang flags")
+    ranks_per_engine: int | None = Field(
+        None, ge=1, description="weight-update ranks per attached engine (default: ask it)")
+    health_interval_s: float = Field(2.0, gt=0, description="period of engine health checks")
+    start_timeout_s: float = Field(600.0, gt=0, description="time an engine has to get healthy")
+    max_restarts: int = Field(5, ge=0, description="restarts of one engine before giving up")
+    log_dir: str | None = Field(None, description="engine logs go here (None: discarded)")
+
+    @model_validator(mode="after")
+    def _urls(self) -> FleetConfig:
+        if self.kind == "attach" and not self.attach_urls:
+            raise ValueError("fleet.kind 'attach' needs fleet.attach_urls")
+        if self.kind != "attach" and self.num_engines and not self.model_path:
+            raise ValueError(f"fleet.kind {self.kind!r} launches engines: set fleet.model_path")
+        return self
+
+
+class WeightUpdateConfig(StrictModel):
+    """How engines are paused and synced during Rollout.UpdateWeights."""
+
+    pause_mode: PauseMode = Field("retract", description="engine pause mode during an update")
+    step_timeout_s: float = Field(600.0, gt=0, description="time one engine call may take")
+    initial_weight_version: int = Field(0, description="version the engines hold at start")
+
+
+class RolloutConfig(ServiceConfig):
+    """Settings of the rollout service."""
+
+    grpc_port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 picks a free one)")
+    admin_port: int = Field(8052, ge=0, le=65535, description="admin REST port (0: a free one)")
+    sandbox_address: str | None = Field(
+        None, description="host:port of Sandbox gRPC (default: the [sandbox] section)")
+    router_address: str | None = Field(
+        None, description="host:port of Router gRPC (default: the [router] section)")
+    task_ids: list[str] = Field(
+        default_factory=list, description="tasks to draw from (empty: all the sandbox lists)")
+    task_seed: int = Field(0, description="seed of the task order shuffle")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="admission")
+    fleet: FleetConfig = Field(default_factory=FleetConfig, description="engines")
+    weight_update: WeightUpdateConfig = Field(
+        default_factory=WeightUpdateConfig, description="weight-update coordination")

@@ -1,0 +1,68 @@
+"""What the scheduler talks to: where episodes run, where finished groups go, which task next.
+
+The scheduler (scheduler.py) depends only on these small interfaces. The service wires the
+real ones (sandbox_runner.py over Sandbox gRPC, the Redis SampleBuffer); the overlap bench and
+unit tests wire simulated ones.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+from services._proto.riptide.v1 import common_pb2, sandbox_pb2
+from services.common.errors import ConfigError
+
+
+class EpisodeRunner(Protocol):
+    """Runs one episode to its end and returns its trajectory.
+
+    An exception means the episode produced nothing usable; the scheduler records the sample
+    as no_verdict (and drops its group). Cancellation must stop the episode.
+    """
+
+    async def run(self, request: sandbox_pb2.RunEpisodeRequest) -> common_pb2.Trajectory: ...
+
+
+class GroupSink(Protocol):
+    """Where complete groups go (the Redis sample buffer). `put` is idempotent by group id
+    and may wait while the sink is full; an exception makes the scheduler retry."""
+
+    async def put(self, group: common_pb2.Group) -> object: ...
+
+
+class TaskCycle:
+    """The task ids in a shuffled order, reshuffled every pass (one task is one prompt)."""
+
+    def __init__(self, task_ids: Sequence[str], seed: int = 0) -> None:
+        if not task_ids:
+            raise ConfigError("the task set is empty: give rollout.task_ids or bundle tasks")
+        self._task_ids = list(task_ids)
+        self._rng = random.Random(seed)
+        self._order: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._task_ids)
+
+    def next_task(self) -> str:
+        """The next task id."""
+        if not self._order:
+            self._order = list(self._task_ids)
+            self._rng.shuffle(self._order)
+        return self._order.pop()
+
+
+def no_verdict_trajectory(request: sandbox_pb2.RunEpisodeRequest,
+                          message: str) -> common_pb2.Trajectory:
+    """The trajectory that stands for an episode that failed before it was scored."""
+    return common_pb2.Trajectory(
+        sample_id=request.sample_id, group_id=request.group_id, task_id=request.task_id,
+        sample_index=request.sample_index, status=common_pb2.VERDICT_STATUS_NO_VERDICT,
+        status_message=message,
+    )
+
+
+def generated_versions(trajectory: common_pb2.Trajectory) -> set[int]:
+    """The distinct weight versions of the model-generated tokens of a trajectory."""
+    return {int(v) for v in trajectory.weight_versions if v >= 0}

@@ -1,0 +1,208 @@
+"""The engine fleet: launch or attach engines, keep them alive, register them with the router.
+
+Owns one EngineMember per engine: its process (when launched here), its weight-update ranks
+and whether it is in the trainer's current weight-update group. A launched engine that dies
+is restarted on the same port; it comes back with the initial weights, so it is registered
+with the router again only after the next weight update has brought it to the current
+version (weight_update.py re-forms the group then, because the restarted engine has not
+joined it). Calls engines through EngineClient and the router through a RouterLink; the
+rollout service owns the fleet and the coordinator uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from services.common import process
+from services.common.errors import Unavailable
+from services.common.ports import free_ports
+from services.rollout.config import FleetConfig
+from services.rollout.engine_client import EngineClient
+from services.rollout.router_link import RouterLink
+from services.rollout.sglang_command import engine_command, ranks_per_engine
+
+log = logging.getLogger(__name__)
+
+MemberState = Literal["starting", "ready", "awaiting_weights", "unreachable", "dead", "failed"]
+
+
+@dataclass
+class EngineMember:
+    """One engine of the fleet."""
+
+    url: str
+    index: int
+    port: int
+    ranks: int = 1
+    proc: subprocess.Popen[bytes] | None = None
+    state: MemberState = "starting"
+    registered: bool = False
+    in_group: bool = False
+    restarts: int = 0
+    weight_version: int | None = None
+    load: list[dict[str, Any]] | None = None
+    error: str | None = None
+
+    def view(self) -> dict[str, Any]:
+        return {"url": self.url, "state": self.state, "registered": self.registered,
+                "in_weight_group": self.in_group, "restarts": self.restarts,
+                "weight_version": self.weight_version, "ranks": self.ranks, "load": self.load,
+                "pid": self.proc.pid if self.proc else None, "error": self.error}
+
+
+class EngineFleet:
+    """Launches or attaches the configured engines and supervises them."""
+
+    def __init__(self, config: FleetConfig, client: EngineClient, router: RouterLink,
+                 weight_version: int) -> None:
+        self.config = config
+        self.client = client
+        self.router = router
+        self.initial_version = weight_version
+        self.current_version = weight_version
+        self.members: list[EngineMember] = []
+        self.lock = asyncio.Lock()   # held by a weight update; restarts wait for it
+        self._supervisor: asyncio.Task[None] | None = None
+        self._restarting: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bring every engine up, register the healthy ones, start supervision."""
+        cfg = self.config
+        if cfg.kind == "attach":
+            self.members = [EngineMember(url=u.rstrip("/"), index=i, port=0)
+                            for i, u in enumerate(cfg.attach_urls)]
+        else:
+            ports = ([cfg.base_port + i for i in range(cfg.num_engines)] if cfg.base_port
+                     else free_ports(cfg.num_engines, cfg.engine_host))
+            self.members = [EngineMember(url=f"http://{cfg.engine_host}:{p}", index=i, port=p,
+                                         ranks=ranks_per_engine(cfg))
+                            for i, p in enumerate(ports)]
+            for member in self.members:
+                self._spawn(member)
+        await asyncio.gather(*(self._bring_up(m) for m in self.members))
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    async def stop(self) -> None:
+        """Stop supervision and every engine this fleet launched."""
+        tasks = [t for t in [self._supervisor, *self._restarting] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(asyncio.to_thread(process.stop, m.proc, 10.0)
+                               for m in self.members if m.proc is not None))
+
+    def _spawn(self, member: EngineMember) -> None:
+        cmd = engine_command(self.config, self.config.engine_host, member.port,
+                             self.initial_version)
+        log_dir = self.config.log_dir
+        log_path = Path(log_dir) / f"engine-{member.index}.log" if log_dir else None
+        member.proc = process.spawn(cmd, log_path=log_path)
+        member.state = "starting"
+        log.info("started engine %s (pid %d)", member.url, member.proc.pid)
+
+    async def _bring_up(self, member: EngineMember) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.start_timeout_s
+        while not await self.client.healthy(member.url):
+            if member.proc is not None and member.proc.poll() is not None:
+                member.state, member.error = "dead", f"exited with {member.proc.returncode}"
+                return
+            if loop.time() > deadline:
+                member.state, member.error = "failed", "not healthy before start_timeout_s"
+                return
+            await asyncio.sleep(0.2)
+        if self.config.kind == "attach":
+            member.ranks = self.config.ranks_per_engine or int(
+                (await self.client.server_info(member.url)).get("tp_size", 1))
+        member.error = None
+        if self.current_version == self.initial_version:
+            await self._register(member)
+        else:
+            member.state = "awaiting_weights"
+            log.info("engine %s is up with initial weights; waits for the next update",
+                     member.url)
+
+    async def _register(self, member: EngineMember, attempts: int = 10) -> None:
+        for attempt in range(1, attempts + 1):
+            try:
+                await self.router.register(member.url)
+                break
+            except Unavailable as exc:
+                if attempt == attempts:
+                    raise
+                log.warning("registering %s failed, retrying: %s", member.url, exc)
+                await asyncio.sleep(min(5.0, 0.5 * attempt))
+        member.registered, member.state = True, "ready"
+        member.weight_version = self.current_version
+
+    # -- supervision -------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            for member in self.members:
+                if member.proc is None or member.proc.poll() is None:
+                    continue
+                if member.restarts >= self.config.max_restarts:
+                    member.state = "failed"
+                    continue
+                if not any(t.get_name() == member.url for t in self._restarting):
+                    task = asyncio.create_task(self._restart(member), name=member.url)
+                    self._restarting.add(task)
+                    task.add_done_callback(self._restarting.discard)
+            await asyncio.gather(*(self._poll(m) for m in self.members if m.state != "dead"),
+                                 return_exceptions=True)
+
+    async def _poll(self, member: EngineMember) -> None:
+        try:
+            member.load = await self.client.load(member.url)
+        except Unavailable:
+            member.load = None
+            if member.proc is None and member.state in ("ready", "awaiting_weights"):
+                # an attached engine we cannot restart: it may come back without our weights
+                member.state, member.in_group = "unreachable", False
+            return
+        if member.state == "unreachable":
+            version = await self.client.weight_version(member.url)
+            member.state = "ready" if version == str(self.current_version) else "awaiting_weights"
+            log.info("engine %s is reachable again (weight version %s)", member.url, version)
+
+    async def _restart(self, member: EngineMember) -> None:
+        code = member.proc.returncode if member.proc else None
+        log.warning("engine %s exited with %s; restarting", member.url, code)
+        member.state, member.error, member.in_group = "dead", f"exited with {code}", False
+        if member.registered:
+            member.registered = False
+            try:
+                await self.router.deregister(member.url)
+            except Unavailable as exc:
+                log.warning("deregistering %s: %s", member.url, exc)
+        member.restarts += 1
+        async with self.lock:  # not in the middle of a weight update
+            self._spawn(member)
+        try:
+            await self._bring_up(member)
+        except Unavailable as exc:  # the router is away: the next weight update registers it
+            member.state, member.error = "awaiting_weights", str(exc)
+
+    # -- for the weight-update coordinator ---------------------------------------------
+    def up_members(self) -> list[EngineMember]:
+        """Engines that can take part in a weight update now."""
+        return [m for m in self.members if m.state in ("ready", "awaiting_weights")]
+
+    async def on_committed(self, version: int, synced: list[EngineMember]) -> None:
+        """Engines in `synced` hold `version` now; register the ones waiting for it."""
+        self.current_version = version
+        for member in synced:
+            if member.registered:
+                member.state, member.weight_version = "ready", version
+            else:
+                await self._register(member)
+
+    def state(self) -> list[dict[str, Any]]:
+        return [m.view() for m in self.members]

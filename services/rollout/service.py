@@ -1,0 +1,169 @@
+"""The rollout service runtime: wires the fleet, the scheduler and the weight-update coordinator.
+
+Start-up: bring the engines up and register them (fleet.py), connect the sample buffer, find
+the task set (config or Sandbox.ListTasks, retried until the sandbox answers), then start the
+scheduler. The gRPC servicer (server.py) hands UpdateWeights streams to the coordinator; the
+admin app's pause/resume and live config patches go to the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from services.common.config import RedisConfig
+from services.common.errors import Unavailable
+from services.common.grpc_client import aio_channel
+from services.common.service import ServiceRuntime
+from services.rollout import metrics
+from services.rollout.config import RolloutConfig
+from services.rollout.engine_client import EngineClient
+from services.rollout.episodes import GroupSink, TaskCycle
+from services.rollout.fleet import EngineFleet
+from services.rollout.router_link import GrpcRouterLink, NoRouter
+from services.rollout.sandbox_runner import SandboxEpisodeRunner
+from services.rollout.scheduler import Scheduler
+from services.rollout.weight_update import WeightUpdateCoordinator
+
+log = logging.getLogger(__name__)
+
+TUNABLE_FIELDS = frozenset({
+    "max_concurrent_samples", "granularity", "max_staleness", "drop_zero_variance_groups",
+    "max_queued_groups", "temperature", "top_p", "max_new_tokens",
+})
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the scheduler could not start: %s", task.exception())
+
+
+class RolloutRuntime(ServiceRuntime):
+    """The rollout service behind the shared gRPC server and admin app."""
+
+    name = "rollout"
+    tunable_fields = TUNABLE_FIELDS
+
+    def __init__(self, config: RolloutConfig, redis: RedisConfig, run_name: str,
+                 sandbox_address: str, router_address: str, grpc_token: str | None) -> None:
+        super().__init__()
+        self.config = config
+        self.tunable = config.scheduler
+        self._redis, self._run_name, self._token = redis, run_name, grpc_token
+        self._sandbox_address, self._router_address = sandbox_address, router_address
+        self.engines = EngineClient(config.weight_update.step_timeout_s)
+        self._router_channel: grpc.aio.Channel | None = None  # made on the serving loop
+        self.fleet = EngineFleet(config.fleet, self.engines, NoRouter(),
+                                 config.weight_update.initial_weight_version)
+        self.coordinator = WeightUpdateCoordinator(self.fleet, config.weight_update,
+                                                   self._on_committed)
+        self.scheduler: Scheduler | None = None
+        self.buffer: Any = None
+        self.buffer_depth: int | None = None
+        self._sandbox_channel: grpc.aio.Channel | None = None
+        self._background: list[asyncio.Task[None]] = []
+
+    def add_to_grpc(self, server: grpc.aio.Server) -> None:
+        from services._proto.riptide.v1 import rollout_pb2_grpc
+        from services.rollout.server import RolloutServicer
+
+        rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self), server)
+
+    async def start(self) -> None:
+        self._router_channel = aio_channel(self._router_address, self._token)
+        self.fleet.router = GrpcRouterLink(self._router_channel)
+        await self.fleet.start()
+        from services.common.buffer import AsyncSampleBuffer
+
+        self.buffer = await AsyncSampleBuffer.connect(self._redis, self._run_name)
+        self._sandbox_channel = aio_channel(self._sandbox_address, self._token)
+        metrics.install(self.metrics_snapshot)
+        self._background = [asyncio.create_task(self._start_scheduler(self.buffer)),
+                            asyncio.create_task(self._watch_buffer())]
+        self._background[0].add_done_callback(_log_failure)
+
+    async def _start_scheduler(self, sink: GroupSink) -> None:
+        assert self._sandbox_channel is not None
+        runner = SandboxEpisodeRunner(self._sandbox_channel)
+        task_ids = list(self.config.task_ids)
+        while not task_ids:
+            try:
+                task_ids = await runner.list_tasks()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("sandbox not reachable for ListTasks: %s", exc.code().name)
+                await asyncio.sleep(1.0)
+                continue
+            if not task_ids:
+                raise Unavailable("the sandbox service lists no tasks")
+        scheduler = Scheduler(self.config.scheduler, TaskCycle(task_ids, self.config.task_seed),
+                              runner, sink, weight_version=self.fleet.current_version,
+                              id_prefix=f"{self._run_name}-{id(self) & 0xffff:04x}")
+        if self.paused:
+            scheduler.pause()
+        await scheduler.start()
+        self.scheduler = scheduler
+        log.info("scheduler started with %d tasks", len(task_ids))
+
+    async def _watch_buffer(self) -> None:
+        while True:
+            try:
+                self.buffer_depth = (await self.buffer.stats()).length
+            except Unavailable:
+                self.buffer_depth = None
+            await asyncio.sleep(1.0)
+
+    async def stop(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        await self.fleet.stop()
+        await self.engines.aclose()
+        if self.buffer is not None:
+            await self.buffer.aclose()
+        for channel in (self._sandbox_channel, self._router_channel):
+            if channel is not None:
+                await channel.close()
+
+    def ready(self) -> bool:
+        return self.scheduler is not None
+
+    def _on_committed(self, version: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.set_weight_version(version)
+
+    async def pause(self) -> None:
+        await super().pause()
+        if self.scheduler is not None:
+            self.scheduler.pause()
+
+    async def resume(self) -> None:
+        await super().resume()
+        if self.scheduler is not None:
+            self.scheduler.resume()
+
+    def on_config_changed(self, keys: list[str]) -> None:
+        if self.scheduler is not None:
+            self.scheduler.config_changed()
+
+    def snapshot(self) -> dict[str, Any]:
+        recent = [u for u in self.coordinator.history if "duration_s" in u]
+        return {
+            "scheduler": self.scheduler.state() if self.scheduler is not None else None,
+            "engines": self.fleet.state(),
+            "weight_updates": self.coordinator.state(),
+            "buffer_depth": self.buffer_depth,
+            "last_update_s": recent[-1]["duration_s"] if recent else None,
+        }
+
+    def state(self) -> dict[str, Any]:
+        return self.snapshot()
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """The state plus the histograms /metrics exposes."""
+        return {**self.snapshot(), "_update_durations": self.coordinator.durations_s,
+                "_latency": self.scheduler.stats.group_latency_s if self.scheduler else None}

@@ -1,0 +1,58 @@
+"""Command lines of the engines the fleet launches: SGLang's server or the built-in engine."""
+
+from __future__ import annotations
+
+import sys
+
+from services.rollout.config import FleetConfig, SGLangConfig
+
+
+def sglang_command(config: SGLangConfig, model_path: str, host: str, port: int,
+                   weight_version: int, python: str = sys.executable) -> list[str]:
+    """`python -m sglang.launch_server ...` for one engine, from the [rollout.fleet.sglang]
+    settings; every optional flag appears only when set."""
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path,
+           "--host", host, "--port", str(port),
+           "--tp-size", str(config.tp_size), "--dp-size", str(config.dp_size)]
+    if config.ep_size > 1:
+        cmd += ["--ep-size", str(config.ep_size)]
+    if config.enable_dp_attention:
+        cmd.append("--enable-dp-attention")
+    optional = {
+        "--quantization": config.quantization,
+        "--kv-cache-dtype": config.kv_cache_dtype,
+        "--mem-fraction-static": config.mem_fraction_static,
+        "--page-size": config.page_size,
+        "--chunked-prefill-size": config.chunked_prefill_size,
+        "--max-running-requests": config.max_running_requests,
+        "--cuda-graph-max-bs": config.cuda_graph_max_bs,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            cmd += [flag, str(value)]
+    if config.enable_metrics:
+        cmd.append("--enable-metrics")
+    cmd += ["--weight-version", str(weight_version), *config.extra_args]
+    return cmd
+
+
+def builtin_command(config: FleetConfig, host: str, port: int, weight_version: int,
+                    python: str = sys.executable) -> list[str]:
+    """`python -m services.rollout.engine ...` for one built-in engine."""
+    return [python, "-m", "services.rollout.engine", "--model", config.model_path,
+            "--host", host, "--port", str(port), "--weight-version", str(weight_version),
+            *config.builtin_args]
+
+
+def engine_command(config: FleetConfig, host: str, port: int, weight_version: int) -> list[str]:
+    """The command that starts one engine of the configured kind."""
+    if config.kind == "sglang":
+        return sglang_command(config.sglang, config.model_path, host, port, weight_version)
+    if config.kind == "builtin":
+        return builtin_command(config, host, port, weight_version)
+    raise ValueError(f"fleet kind {config.kind!r} launches nothing")
+
+
+def ranks_per_engine(config: FleetConfig) -> int:
+    """Weight-update ranks of one launched engine (SGLang: one per tensor-parallel rank)."""
+    return config.sglang.tp_size if config.kind == "sglang" else 1

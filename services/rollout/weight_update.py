@@ -1,0 +1,194 @@
+"""The weight-update coordinator behind `Rollout.UpdateWeights` (called by the trainer).
+
+Per update: pause every engine that is up (configured mode), make sure each is in the
+trainer's weight-update group (formed again whenever the set of engines changed or one of
+them never joined: world size 1 + all engine ranks, rank offsets assigned here in fleet
+order), forward each bucket's metadata to every engine while the trainer broadcasts it, then
+set the new version on the engines and the router, register engines that waited for these
+weights, tell the scheduler, and continue generation. A failure once a bucket may have been
+loaded leaves the engines paused (their weights may be mixed) and names every engine and step
+that failed; the next update forms the group again and sends every weight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from services._proto.riptide.v1 import rollout_pb2 as pb
+from services.common.errors import Conflict, InvalidRequest, RiptideError, Unavailable
+from services.rollout.config import WeightUpdateConfig
+from services.rollout.fleet import EngineFleet, EngineMember
+from services.rollout.scheduler_stats import Histogram
+
+log = logging.getLogger(__name__)
+
+
+class WeightUpdateFailed(RiptideError):
+    """A weight update failed part-way; the message says which engines, at which step."""
+
+    grpc_code = grpc.StatusCode.ABORTED
+    http_status = 409
+
+
+class WeightUpdateCoordinator:
+    """Runs one weight update at a time over the fleet's engines."""
+
+    def __init__(self, fleet: EngineFleet, config: WeightUpdateConfig,
+                 on_committed: Callable[[int], None]) -> None:
+        self.fleet = fleet
+        self.config = config
+        self._on_committed = on_committed
+        self._busy = asyncio.Lock()
+        self._group_key: tuple[Any, ...] | None = None
+        self.engines_paused = False
+        self.history: deque[dict[str, Any]] = deque(maxlen=50)
+        self.durations_s = Histogram((0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+
+    def state(self) -> dict[str, Any]:
+        return {"in_progress": self._busy.locked(), "engines_paused": self.engines_paused,
+                "group_formed": self._group_key is not None, "recent": list(self.history)[-5:]}
+
+    async def run(self, requests: AsyncIterator[pb.WeightUpdateRequest]
+                  ) -> AsyncIterator[pb.WeightUpdateEvent]:
+        """Serve one UpdateWeights stream: Begin, Bucket..., Commit."""
+        first = await anext(requests, None)
+        if first is None or first.WhichOneof("step") != "begin":
+            raise InvalidRequest("UpdateWeights must start with a Begin message")
+        if self._busy.locked():
+            raise Conflict("another weight update is in progress")
+        begin = first.begin
+        loop = asyncio.get_running_loop()
+        record: dict[str, Any] = {"weight_version": begin.weight_version, "status": "running",
+                                  "buckets": 0}
+        self.history.append(record)
+        start = loop.time()
+        async with self._busy, self.fleet.lock:
+            try:
+                async for event in self._update(begin, requests, record):
+                    yield event
+            except BaseException as exc:
+                if record["status"] == "committed":  # the caller left after the answer
+                    raise
+                record["status"] = "failed"
+                record["error"] = str(exc) or type(exc).__name__
+                self._group_key = None  # the collective may be broken: form it again
+                raise
+            finally:
+                record["duration_s"] = round(loop.time() - start, 3)
+                if record["status"] == "committed":
+                    self.durations_s.observe(loop.time() - start)
+
+    async def _update(self, begin: pb.WeightUpdateBegin,
+                      requests: AsyncIterator[pb.WeightUpdateRequest],
+                      record: dict[str, Any]) -> AsyncIterator[pb.WeightUpdateEvent]:
+        version = begin.weight_version
+        client = self.fleet.client
+        members = self.fleet.up_members()
+        if not members:
+            raise Unavailable(f"weight update v{version}: no engine is up")
+        record["engines"] = [m.url for m in members]
+        try:
+            await self._all(version, members, "pause_generation",
+                            lambda m: client.pause(m.url, self.config.pause_mode))
+        except WeightUpdateFailed:  # no weight has moved: let the others generate again
+            await asyncio.gather(*(client.resume(m.url) for m in members),
+                                 return_exceptions=True)
+            raise
+        self.engines_paused = True
+        world_size = 1 + sum(m.ranks for m in members)
+        key = (begin.group_name, begin.master_address, begin.master_port, begin.backend,
+               tuple((m.url, m.ranks) for m in members))
+        if key == self._group_key and all(m.in_group for m in members):
+            yield pb.WeightUpdateEvent(group=pb.WeightUpdateGroup(world_size=world_size))
+        else:
+            joining = asyncio.create_task(self._form_group(begin, members, world_size))
+            yield pb.WeightUpdateEvent(group=pb.WeightUpdateGroup(
+                world_size=world_size, trainer_must_join=True))
+            await joining
+            self._group_key = key
+        async for request in requests:
+            step = request.WhichOneof("step")
+            if step == "bucket":
+                record["buckets"] += 1
+                await self._load_bucket(version, members, begin.group_name, request.bucket)
+                yield pb.WeightUpdateEvent(bucket_loaded=request.bucket.bucket_index)
+            elif step == "commit":
+                await self._commit(version, members)
+                record["status"] = "committed"
+                yield pb.WeightUpdateEvent(committed=version)
+                return
+            else:
+                raise InvalidRequest(f"weight update v{version}: unexpected {step} mid-update")
+        if record["buckets"] == 0:  # nothing was loaded: the old weights are intact
+            await self._all(version, members, "continue_generation",
+                            lambda m: client.resume(m.url))
+            self.engines_paused = False
+        raise WeightUpdateFailed(
+            f"weight update v{version}: the trainer ended the stream before Commit after "
+            f"{record['buckets']} buckets"
+            + ("; engines are left paused" if self.engines_paused else ""))
+
+    async def _load_bucket(self, version: int, members: list[EngineMember], group_name: str,
+                           bucket: pb.WeightBucket) -> None:
+        names = [t.name for t in bucket.tensors]
+        dtypes = [t.dtype for t in bucket.tensors]
+        shapes = [list(t.shape) for t in bucket.tensors]
+        await self._all(version, members,
+                        f"update_weights_from_distributed (bucket {bucket.bucket_index})",
+                        lambda m: self.fleet.client.update_weights(
+                            m.url, names=names, dtypes=dtypes, shapes=shapes,
+                            group_name=group_name))
+
+    async def _form_group(self, begin: pb.WeightUpdateBegin, members: list[EngineMember],
+                          world_size: int) -> None:
+        client = self.fleet.client
+        joined = [m for m in members if m.in_group]
+        for member in self.fleet.members:
+            member.in_group = False
+        if joined:  # leave the old group first; a dead group may refuse, which is fine
+            await asyncio.gather(*(client.destroy_group(m.url, begin.group_name)
+                                   for m in joined), return_exceptions=True)
+        offsets, next_rank = {}, 1
+        for member in members:
+            offsets[member.url], next_rank = next_rank, next_rank + member.ranks
+        await self._all(begin.weight_version, members, "init_weights_update_group",
+                        lambda m: client.init_group(
+                            m.url, master_address=begin.master_address,
+                            master_port=begin.master_port, rank_offset=offsets[m.url],
+                            world_size=world_size, group_name=begin.group_name,
+                            backend=begin.backend))
+        for member in members:
+            member.in_group = True
+
+    async def _commit(self, version: int, members: list[EngineMember]) -> None:
+        client = self.fleet.client
+        await self._all(version, members, "update_weight_version",
+                        lambda m: client.set_weight_version(m.url, version))
+        try:
+            await self.fleet.router.set_weight_version(version)
+        except Unavailable as exc:
+            raise WeightUpdateFailed(f"weight update v{version}: {exc}; engines hold v{version} "
+                                     "and are left paused") from None
+        await self.fleet.on_committed(version, members)
+        self._on_committed(version)
+        await self._all(version, members, "continue_generation", lambda m: client.resume(m.url))
+        self.engines_paused = False
+
+    @staticmethod
+    async def _all(version: int, members: list[EngineMember], step: str,
+                   call: Callable[[EngineMember], Awaitable[None]]) -> None:
+        """Run `call` on every engine at once; one precise error naming each failure."""
+        results = await asyncio.gather(*(call(m) for m in members), return_exceptions=True)
+        failures = [(m, r) for m, r in zip(members, results, strict=True)
+                    if isinstance(r, BaseException)]
+        if failures:
+            detail = "; ".join(f"{m.url}: {r}" for m, r in failures)
+            raise WeightUpdateFailed(
+                f"weight update v{version}: {step} failed on {len(failures)} of {len(members)} "
+                f"engines ({detail}); engines are left paused")

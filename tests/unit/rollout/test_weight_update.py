@@ -1,0 +1,232 @@
+"""The weight-update coordinator's protocol against in-process fake engines and router."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from services._proto.riptide.v1 import rollout_pb2 as pb
+from services.rollout.config import FleetConfig, WeightUpdateConfig
+from services.rollout.engine_client import EngineCallError
+from services.rollout.fleet import EngineFleet
+from services.rollout.weight_update import WeightUpdateCoordinator, WeightUpdateFailed
+
+URLS = ["http://e0:1", "http://e1:1", "http://e2:1"]
+TP = {"http://e0:1": 2, "http://e1:1": 1, "http://e2:1": 4}
+
+
+class FakeEngines:
+    """Records every control call; `fail[(url, step)]` makes that call fail."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.fail: set[tuple[str, str]] = set()
+        self.down: set[str] = set()
+        self._barrier: asyncio.Barrier | None = None
+        self.parties = len(URLS)
+
+    async def _rec(self, url: str, step: str, body: Any = None) -> None:
+        self.calls.append((url, step, body))
+        if (url, step) in self.fail:
+            raise EngineCallError(url, step, "HTTP 400: boom")
+
+    def steps(self, step: str) -> list[tuple[str, Any]]:
+        return [(u, b) for u, s, b in self.calls if s == step]
+
+    async def healthy(self, url: str) -> bool:
+        return True
+
+    async def server_info(self, url: str) -> dict[str, Any]:
+        return {"tp_size": TP[url]}
+
+    async def load(self, url: str) -> list[dict[str, Any]]:
+        if url in self.down:
+            raise EngineCallError(url, "get_load", "ConnectError")
+        return [{"dp_rank": 0, "num_reqs": 0}]
+
+    async def weight_version(self, url: str) -> str:
+        return "0"
+
+    async def pause(self, url: str, mode: str) -> None:
+        await self._rec(url, "pause", mode)
+
+    async def resume(self, url: str) -> None:
+        await self._rec(url, "continue")
+
+    async def init_group(self, url: str, **kw: Any) -> None:
+        await self._rec(url, "init", kw)
+
+    async def destroy_group(self, url: str, group_name: str) -> None:
+        await self._rec(url, "destroy", group_name)
+
+    async def update_weights(self, url: str, **kw: Any) -> None:
+        # every engine must be inside this call at once: the buckets go out concurrently
+        self._barrier = self._barrier or asyncio.Barrier(self.parties)
+        await asyncio.wait_for(self._barrier.wait(), 1.0)
+        await self._rec(url, "update", kw)
+
+    async def set_weight_version(self, url: str, version: int) -> None:
+        await self._rec(url, "version", version)
+
+
+class FakeRouter:
+    def __init__(self) -> None:
+        self.registered: list[str] = []
+        self.versions: list[int] = []
+
+    async def register(self, url: str) -> None:
+        self.registered.append(url)
+
+    async def deregister(self, url: str) -> None:
+        self.registered.remove(url)
+
+    async def set_weight_version(self, version: int) -> None:
+        self.versions.append(version)
+
+
+async def _setup() -> tuple[WeightUpdateCoordinator, FakeEngines, FakeRouter, list[int]]:
+    engines, router = FakeEngines(), FakeRouter()
+    committed: list[int] = []
+    fleet = EngineFleet(FleetConfig(kind="attach", attach_urls=URLS, health_interval_s=60),
+                        engines, router, weight_version=0)  # type: ignore[arg-type]
+    await fleet.start()
+    coordinator = WeightUpdateCoordinator(fleet, WeightUpdateConfig(), committed.append)
+    return coordinator, engines, router, committed
+
+
+def _stream(version: int, num_buckets: int, commit: bool = True
+            ) -> AsyncIterator[pb.WeightUpdateRequest]:
+    async def gen() -> AsyncIterator[pb.WeightUpdateRequest]:
+        yield pb.WeightUpdateRequest(begin=pb.WeightUpdateBegin(
+            weight_version=version, master_address="127.0.0.1", master_port=29500,
+            group_name="wu", backend="gloo"))
+        for i in range(num_buckets):
+            yield pb.WeightUpdateRequest(bucket=pb.WeightBucket(bucket_index=i, tensors=[
+                pb.TensorSpec(name=f"w{i}", dtype="bfloat16", shape=[2, 3])]))
+        if commit:
+            yield pb.WeightUpdateRequest(commit=pb.WeightUpdateCommit())
+    return gen()
+
+
+async def _events(coordinator: WeightUpdateCoordinator, stream: AsyncIterator[Any]
+                  ) -> list[tuple[str, Any]]:
+    out = []
+    async for event in coordinator.run(stream):
+        kind = event.WhichOneof("event")
+        value = getattr(event, kind)
+        out.append((kind, (value.world_size, value.trainer_must_join) if kind == "group"
+                    else value))
+    return out
+
+
+def test_first_update_forms_the_group_then_later_ones_reuse_it() -> None:
+    async def main() -> None:
+        coordinator, engines, router, committed = await _setup()
+        events = await _events(coordinator, _stream(1, 2))
+        assert events == [("group", (8, True)), ("bucket_loaded", 0), ("bucket_loaded", 1),
+                          ("committed", 1)]
+        inits = {u: (b["rank_offset"], b["world_size"]) for u, b in engines.steps("init")}
+        assert inits == {URLS[0]: (1, 8), URLS[1]: (3, 8), URLS[2]: (4, 8)}
+        order = [s for _, s, _ in engines.calls]
+        assert order.index("init") > max(i for i, s in enumerate(order) if s == "pause")
+        assert len(engines.steps("update")) == 6
+        assert engines.steps("version") == [(u, 1) for u in URLS]
+        assert order[-3:] == ["continue"] * 3 and router.versions == [1] and committed == [1]
+        assert {b for _, s, b in engines.calls if s == "pause"} == {"retract"}
+
+        engines.calls.clear()
+        events = await _events(coordinator, _stream(2, 1))
+        assert events[0] == ("group", (8, False)) and not engines.steps("init")
+        assert committed == [1, 2] and coordinator.fleet.current_version == 2
+
+    asyncio.run(main())
+
+
+def test_failed_bucket_leaves_engines_paused_and_names_engine_and_step() -> None:
+    async def main() -> None:
+        coordinator, engines, router, committed = await _setup()
+        await _events(coordinator, _stream(1, 1))
+        engines.calls.clear()
+        engines.fail.add((URLS[2], "update"))
+        with pytest.raises(WeightUpdateFailed) as info:
+            await _events(coordinator, _stream(2, 3))
+        message = str(info.value)
+        assert URLS[2] in message and "bucket 0" in message and "left paused" in message
+        assert not engines.steps("continue") and not engines.steps("version")
+        assert coordinator.engines_paused and router.versions == [1] and committed == [1]
+        assert coordinator.history[-1]["status"] == "failed"
+        # the next update forms the group again and then resumes
+        engines.fail.clear()
+        engines.calls.clear()
+        events = await _events(coordinator, _stream(2, 1))
+        assert events[0] == ("group", (8, True)) and len(engines.steps("init")) == 3
+        assert len(engines.steps("continue")) == 3 and not coordinator.engines_paused
+
+    asyncio.run(main())
+
+
+def test_restarted_engine_triggers_a_new_group_and_is_registered_after_commit() -> None:
+    async def main() -> None:
+        coordinator, engines, router, _ = await _setup()
+        await _events(coordinator, _stream(1, 1))
+        restarted = coordinator.fleet.members[1]
+        restarted.in_group, restarted.registered, restarted.state = False, False, "awaiting_weights"
+        router.registered.remove(restarted.url)
+        engines.calls.clear()
+        events = await _events(coordinator, _stream(2, 1))
+        assert events[0] == ("group", (8, True))
+        assert sorted(u for u, _ in engines.steps("destroy")) == [URLS[0], URLS[2]]
+        assert restarted.url in router.registered and restarted.state == "ready"
+        assert restarted.weight_version == 2
+
+    asyncio.run(main())
+
+
+def test_stream_ending_before_any_bucket_resumes_the_engines() -> None:
+    async def main() -> None:
+        coordinator, engines, _, committed = await _setup()
+        with pytest.raises(WeightUpdateFailed, match="before Commit after 0 buckets"):
+            await _events(coordinator, _stream(1, 0, commit=False))
+        assert len(engines.steps("continue")) == 3 and not coordinator.engines_paused
+        assert committed == []
+
+    asyncio.run(main())
+
+
+def test_unreachable_attached_engine_sits_out_and_rejoins_with_new_weights() -> None:
+    async def main() -> None:
+        coordinator, engines, router, _ = await _setup()
+        fleet = coordinator.fleet
+        await _events(coordinator, _stream(1, 1))
+        engines.down.add(URLS[2])
+        await asyncio.gather(*(fleet._poll(m) for m in fleet.members))
+        assert fleet.members[2].state == "unreachable"
+        engines.parties, engines._barrier = 2, None
+        events = await _events(coordinator, _stream(2, 1))
+        assert events[0] == ("group", (4, True))  # 1 + 2 + 1 ranks without e2
+        engines.down.clear()
+        await asyncio.gather(*(fleet._poll(m) for m in fleet.members))
+        assert fleet.members[2].state == "awaiting_weights"  # it came back on version 0
+        engines.parties, engines._barrier = 3, None
+        events = await _events(coordinator, _stream(3, 1))
+        assert events[0] == ("group", (8, True))
+        assert fleet.members[2].state == "ready" and fleet.members[2].weight_version == 3
+
+    asyncio.run(main())
+
+
+def test_trainer_leaving_right_after_commit_keeps_the_group() -> None:
+    async def main() -> None:
+        coordinator, _, _, _ = await _setup()
+        events = coordinator.run(_stream(1, 1))
+        async for event in events:
+            if event.WhichOneof("event") == "committed":
+                break
+        await events.aclose()  # type: ignore[attr-defined]
+        assert coordinator.history[-1]["status"] == "committed"
+        assert (await _events(coordinator, _stream(2, 1)))[0] == ("group", (8, False))
+
+    asyncio.run(main())
