@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, type=Path, help="deployment TOML file")
     serve.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a config value (repeatable; value read as TOML)")
+    serve.add_argument("--stream-optimizer-state-to-disk", metavar="DIR", default=None,
+                       help="trainer: keep fp32 master weights and Adam moments in per-bucket "
+                            "files under DIR, streamed through memory one bucket at a time")
 
     up = sub.add_parser("up", help="run Redis and the four services locally")
     up.add_argument("--dir", type=Path, default=DEFAULT_RUN_DIR,
@@ -49,13 +52,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import json
+
     from services.common.config import load_config
+    from services.common.errors import ConfigError
     from services.common.logging import setup_logging
 
-    config = load_config(args.config, args.set)
+    overrides = list(args.set)
+    if args.stream_optimizer_state_to_disk is not None:
+        if args.service != "trainer":
+            raise ConfigError("--stream-optimizer-state-to-disk applies to the trainer only")
+        path = json.dumps(args.stream_optimizer_state_to_disk)
+        overrides.append(f"trainer.optimizer.stream_optimizer_state_to_disk={path}")
+    config = load_config(args.config, overrides)
     setup_logging(args.service, config.run.log_level, config.run.log_format)
     if args.service == "engine":
-        from services.common.errors import ConfigError
         from services.rollout.engine.cli import serve as serve_engine
 
         if not config.engine.model_path:
@@ -77,8 +88,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from services.common.local_stack import run_up
+    from services.common.run_summary import summarize
 
-    return run_up(args.dir, args.config, args.steps)
+    return run_up(args.dir, args.config, args.steps, summarize)
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -23,3 +23,17 @@ def redis_url(redis_server: RedisServer) -> str:
     with redis.Redis.from_url(redis_server.url) as client:
         client.flushall()
     return redis_server.url
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu` tests on machines without CUDA (imports torch only if such tests exist)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in gpu_items:
+        item.add_marker(skip)

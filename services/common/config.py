@@ -142,13 +142,22 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Any:
 
 
 def dump_config(config: BaseModel) -> str:
-    """Render a config as TOML (sections of scalars and lists; None values left out)."""
+    """Render a config as TOML: a table per section and sub-section; None values left out."""
     out: list[str] = []
-    for section, values in config.model_dump(mode="json", exclude_none=True).items():
-        out.append(f"[{section}]")
-        out.extend(f"{key} = {_toml_value(val)}" for key, val in values.items())
-        out.append("")
+    _dump_table(config.model_dump(mode="json", exclude_none=True), [], out)
     return "\n".join(out)
+
+
+def _dump_table(values: dict[str, Any], path: list[str], out: list[str]) -> None:
+    scalars = {k: v for k, v in values.items() if not isinstance(v, dict)}
+    if path and (scalars or not values):
+        out.append(f"[{'.'.join(path)}]")
+    out.extend(f"{key} = {_toml_value(val)}" for key, val in scalars.items())
+    if path and scalars:
+        out.append("")
+    for key, val in values.items():
+        if isinstance(val, dict):
+            _dump_table(val, [*path, key], out)
 
 
 def _toml_value(value: Any) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.errors import RiptideError
+from services.common.errors import RiptideError, Unavailable
 
 log = logging.getLogger(__name__)
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -117,9 +117,12 @@ class GrpcServer:
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            raise Unavailable(f"cannot listen for gRPC on {host}:{port}: {exc}") from None
         if self.port == 0:
-            raise OSError(f"cannot bind gRPC on {host}:{port}")
+            raise Unavailable(f"cannot listen for gRPC on {host}:{port}")
         await self.server.start()
         await self.set_serving(False)
         return self.port

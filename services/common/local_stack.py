@@ -39,15 +39,51 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
     }
     for name in SERVICE_ORDER:
         data[name] = {"host": "127.0.0.1", "grpc_port": next(ports), "admin_port": next(ports)}
-    data.update(_local_service_settings(run_dir))
+    for name, settings in _local_service_settings(run_dir).items():
+        data[name].update(settings)
+    data["trainer"]["weight_sync"]["rollout_address"] = (
+        f"127.0.0.1:{data['rollout']['grpc_port']}")
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update(values)
     return validate_config(data, "local stack config")
 
 
 def _local_service_settings(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """Per-service settings of the local stack beyond addresses (empty where defaults fit)."""
-    return {}
+    """The local stack's sizes: one tiny-model engine, short episodes, small batches."""
+    model = str(run_dir / "model")
+    return {
+        "rollout": {
+            "scheduler": {"max_concurrent_samples": 8, "n_samples_per_prompt": 4,
+                          "num_groups_per_batch": 2, "max_new_tokens": 48,
+                          "temperature": 1.0, "max_staleness": 4},
+            "fleet": {"kind": "builtin", "num_engines": 1, "model_path": model,
+                      "log_dir": str(run_dir / "logs"), "start_timeout_s": 120.0},
+        },
+        "sandbox": {
+            "tasks_dir": str(REPO_ROOT / "tasks"),
+            "tokenizer_path": model,
+            "max_concurrent_episodes": 16,
+            "agent": {"max_turns": 3, "max_context_tokens": 4096, "max_new_tokens": 48,
+                      "wall_time_s": 120.0, "default_command_timeout_s": 10.0},
+        },
+        "trainer": {
+            "rollout_batch_size": 2,
+            "model": {"hf_path": model, "dtype": "float32"},
+            "optimizer": {"lr": 1e-4},
+            "checkpoint": {"dir": str(run_dir / "checkpoints")},
+            "weight_sync": {"dtype": "float32", "bucket_mb": 16.0},
+        },
+    }
+
+
+def ensure_tiny_model(run_dir: Path) -> Path:
+    """The local stack's model: a tiny random Llama with a byte-level tokenizer."""
+    path = run_dir / "model"
+    if not (path / "config.json").exists():
+        from services.rollout.engine.tiny_model import create_tiny_model
+
+        create_tiny_model(path)
+    return path
 
 
 class LocalStack:
@@ -146,6 +182,7 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         config_path = run_dir / "config.toml"
         config_path.write_text(dump_config(local_config(run_dir)))
         os.chmod(config_path, 0o600)
+        print(f"[up] tiny model {ensure_tiny_model(run_dir)}", flush=True)
     elif not config_path.exists():
         raise ConfigError(f"{config_path}: no such config file")
     print(f"[up] config {config_path}  logs {run_dir / 'logs'}", flush=True)

@@ -18,6 +18,7 @@ import uvicorn
 
 from services.common.admin import build_admin_app
 from services.common.config import ServiceConfig
+from services.common.errors import Unavailable
 from services.common.grpc_server import GrpcServer
 from services.common.service import ServiceRuntime
 
@@ -28,7 +29,11 @@ def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise Unavailable(f"cannot listen for admin REST on {host}:{port}: {exc}") from None
     sock.listen(128)
     sock.setblocking(False)
     return sock
@@ -42,12 +47,16 @@ async def serve(runtime: ServiceRuntime, section: ServiceConfig, run: Any,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
 
-    grpc_server = GrpcServer(runtime.name, token=run.grpc_token)
-    runtime.add_to_grpc(grpc_server.server)
-    grpc_port = await grpc_server.start(section.listen_host, section.grpc_port)
-
     admin_socket = _bind(section.listen_host, section.admin_port)
     admin_port = admin_socket.getsockname()[1]
+    grpc_server = GrpcServer(runtime.name, token=run.grpc_token)
+    runtime.add_to_grpc(grpc_server.server)
+    try:
+        grpc_port = await grpc_server.start(section.listen_host, section.grpc_port)
+    except BaseException:
+        admin_socket.close()
+        await grpc_server.server.stop(None)
+        raise
     app = build_admin_app(runtime, run.admin_token)
     admin = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                           lifespan="off"))

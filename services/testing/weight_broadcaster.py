@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-name", default="weight_update_group")
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", help="where rank 0's tensors live (cuda:N)")
     args = parser.parse_args(argv)
     state = load_state_dict(args.model)
     group = init_custom_process_group(
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     dtype = getattr(torch, args.dtype)
     for tensor in state.values():
-        broadcast_tensor(tensor.to(dtype).contiguous(), group)
+        broadcast_tensor(tensor.to(device=args.device, dtype=dtype).contiguous(), group)
     print(f"broadcast {len(state)} tensors", flush=True)
     destroy_process_group(group)
     return 0

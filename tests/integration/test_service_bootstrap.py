@@ -128,3 +128,24 @@ def test_sigterm_shuts_down_cleanly(probe: dict[str, object]) -> None:
     assert proc.wait(15) == 0  # type: ignore[attr-defined]
     log = Path(str(probe["log"])).read_text()
     assert "stopped" in log and "Traceback" not in log
+
+
+def test_shared_client_channels_send_the_token(probe: dict[str, object]) -> None:
+    import asyncio
+
+    from services.common.grpc_client import aio_channel, sync_channel
+
+    with sync_channel(str(probe["grpc"]), GRPC_TOKEN) as channel:
+        reply = trainer_pb2_grpc.TrainerStub(channel).GetStatus(
+            common_pb2.StatusRequest(), timeout=5
+        )
+    assert reply.service == "probe"
+
+    async def via_aio() -> str:
+        async with aio_channel(str(probe["grpc"]), GRPC_TOKEN) as channel:
+            status = await trainer_pb2_grpc.TrainerStub(channel).GetStatus(
+                common_pb2.StatusRequest(), timeout=5
+            )
+            return status.service
+
+    assert asyncio.run(via_aio()) == "probe"
