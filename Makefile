@@ -31,7 +31,7 @@ test-deps:
 demo: setup
 	$(VENV)/bin/riptide up --steps $(DEMO_STEPS)
 
-test: $(VENV)/.installed test-deps lint compose-check
+test: $(VENV)/.installed test-deps lint typecheck compose-check
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed

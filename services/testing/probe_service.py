@@ -41,7 +41,8 @@ class ProbeRuntime(ServiceRuntime):
 
     def __init__(self) -> None:
         super().__init__()
-        self.tunable = ProbeTunables()
+        self.knobs = ProbeTunables()
+        self.tunable = self.knobs
         self.changes: list[str] = []
 
     def add_to_grpc(self, server: grpc.aio.Server) -> None:
@@ -49,7 +50,7 @@ class ProbeRuntime(ServiceRuntime):
         sandbox_pb2_grpc.add_SandboxServicer_to_server(_Failing(), server)
 
     def state(self) -> dict[str, Any]:
-        return {"max_widgets": self.tunable.max_widgets, "changes": self.changes}
+        return {"max_widgets": self.knobs.max_widgets, "changes": self.changes}
 
     def on_config_changed(self, keys: list[str]) -> None:
         self.changes.extend(keys)
