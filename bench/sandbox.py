@@ -7,7 +7,7 @@ verifier, then delete. `c` clients each keep one episode in flight over the bund
 `acquire_ms` is the time from asking for a sandbox to holding it (create cap included);
 `episodes_per_s` counts finished episodes over the wall time of the level.
 
-Usage: python bench/sandbox.py [--levels 1,8,32] [--episodes-per-client 6,4,2] [--extra 3]
+Usage: python bench/sandbox.py [--levels 1,8,32] [--episodes-per-client 8,6,2] [--extra 3]
 Last line: {"c1": {"acquire_ms_p50": ..., "acquire_ms_p99": ..., "episodes_per_s": ...}, ...}
 """
 
@@ -89,7 +89,7 @@ async def _run(levels: list[int], per_client: list[int], extra: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,8,32")
-    parser.add_argument("--episodes-per-client", default="8,3,1")
+    parser.add_argument("--episodes-per-client", default="8,6,2")
     parser.add_argument("--extra", type=int, default=3, help="commands before solve.sh")
     parser.add_argument("--max-creates", type=int, default=8)
     args = parser.parse_args()
