@@ -23,10 +23,12 @@ from services.trainer.config import TrainerConfig
 from services.trainer.data import GroupStream, Recovery
 from services.trainer.policy import LogprobSource, Policy
 from services.trainer.stats import StepRecord, TrainerStats
-from services.trainer.step import train_step
+from services.trainer.step import DataShard, train_step
 
 #: Pushes the policy's weights to the engines as the given weight version.
 WeightSyncFn = Callable[[int], Any]
+#: Called with each batch right before it is trained (rank 0 hands it to the other ranks).
+OnStepFn = Callable[[RolloutBatch], Any]
 _SYNC_MARKER = "weight_version_sent.json"
 
 
@@ -42,6 +44,8 @@ class TrainerLoop:
         sync: WeightSyncFn | None = None,
         reference: LogprobSource | None = None,
         stats: TrainerStats | None = None,
+        on_step: OnStepFn | None = None,
+        shard: DataShard | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -50,6 +54,8 @@ class TrainerLoop:
         self.sync = sync
         self.reference = reference
         self.stats = stats or TrainerStats()
+        self.on_step = on_step
+        self.shard = shard
         self.state = TrainerState()
         self.recovery: Recovery | None = None
         self.unpaused = threading.Event()
@@ -66,9 +72,11 @@ class TrainerLoop:
                 break
             self.stats.set_phase("training")
             trained_version, start = self.state.weight_version, time.monotonic()
+            if self.on_step is not None:
+                self.on_step(batch)
             metrics = train_step(                                       # step
                 self.policy, batch, self.config.loss.settings(),
-                self.config.num_minibatches, self.reference,
+                self.config.num_minibatches, self.reference, self.shard,
             )  # fmt: skip
             step_s = time.monotonic() - start
             self._advance(batch)

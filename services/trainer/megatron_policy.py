@@ -19,6 +19,16 @@ from services.trainer.optimizer_stream import MasterAdam, megatron_no_decay
 from services.trainer.policy import FrozenModel, ModelPolicy
 
 
+@dataclass(frozen=True)
+class RankAddress:
+    """This process's rank in a world of trainer ranks and where they meet."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
 @dataclass
 class BuiltPolicy:
     """The policy and what weight sync needs alongside it."""
@@ -29,10 +39,16 @@ class BuiltPolicy:
     shape: Any
     layout: Any
     backend: str
+    shard: Any = None  # this rank's DataShard under data parallelism (None: DP = 1)
 
 
-def build_model(config: TrainerConfig) -> tuple[Any, Any, Any, str]:
-    """(model, shape, layout, backend) of this rank, weights loaded from `model.hf_path`."""
+def build_model(
+    config: TrainerConfig, ranks: RankAddress | None = None
+) -> tuple[Any, Any, Any, str]:
+    """(model, shape, layout, backend) of this rank, weights loaded from `model.hf_path`.
+
+    `ranks` places this process in a multi-rank world; without it the torchrun environment
+    (RANK, WORLD_SIZE, ...) does, or a world of one."""
     from services.common.ports import free_port
     from services.trainer.convert import load_hf_checkpoint
     from services.trainer.model import ModelShape, build_gpt_model, load_hf_config
@@ -40,25 +56,36 @@ def build_model(config: TrainerConfig) -> tuple[Any, Any, Any, str]:
 
     if not config.model.hf_path:
         raise ConfigError("trainer.model.hf_path is empty; point it at a Hugging Face folder")
-    single = "WORLD_SIZE" not in os.environ
-    layout = init_parallel(
-        config.parallel,
-        master_port=free_port() if single else None,
-        seed=config.model.seed,
-    )
+    if ranks is not None:
+        layout = init_parallel(
+            config.parallel, rank=ranks.rank, world_size=ranks.world_size,
+            master_addr=ranks.master_addr, master_port=ranks.master_port,
+            seed=config.model.seed,
+        )  # fmt: skip
+    else:
+        single = "WORLD_SIZE" not in os.environ
+        layout = init_parallel(
+            config.parallel,
+            master_port=free_port() if single else None,
+            seed=config.model.seed,
+        )
     shape = ModelShape.from_hf(load_hf_config(config.model.hf_path))
     model = build_gpt_model(shape, dtype=config.model.dtype)
     load_hf_checkpoint(model, shape, config.model.hf_path)
     return model, shape, layout, resolve_backend(config.parallel)
 
 
-def build_policy(config: TrainerConfig) -> BuiltPolicy:
+def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> BuiltPolicy:
     """The megatron policy with its optimizer, as configured."""
     import torch
 
+    from services.trainer.grad_norm import (
+        all_reduce_data_parallel_grads,
+        clip_model_parallel_grad_norm,
+    )
     from services.trainer.logprobs import token_logprobs
 
-    model, shape, layout, backend = build_model(config)
+    model, shape, layout, backend = build_model(config, ranks)
     opt = config.optimizer
     state_dir = opt.stream_optimizer_state_to_disk
     if state_dir is not None and layout.world_size > 1:
@@ -75,7 +102,9 @@ def build_policy(config: TrainerConfig) -> BuiltPolicy:
         moments_dtype=getattr(torch, opt.moments_dtype),
         no_decay=megatron_no_decay(named),
     )
-    policy = ModelPolicy(model, optimizer, token_logprobs, opt.max_grad_norm)
+    clip = clip_model_parallel_grad_norm if layout.world_size > 1 else None
+    grad_sync = all_reduce_data_parallel_grads if layout.dp_size > 1 else None
+    policy = ModelPolicy(model, optimizer, token_logprobs, opt.max_grad_norm, clip, grad_sync)
     reference = None
     if config.loss.kl_coef > 0:
         from services.trainer.convert import load_hf_checkpoint
@@ -84,4 +113,11 @@ def build_policy(config: TrainerConfig) -> BuiltPolicy:
         ref_model = build_gpt_model(shape, dtype=config.model.dtype)
         load_hf_checkpoint(ref_model, shape, config.loss.reference_hf_path or config.model.hf_path)
         reference = FrozenModel(ref_model, token_logprobs)
-    return BuiltPolicy(policy, reference, model, shape, layout, backend)
+    shard = None
+    if layout.dp_size > 1:
+        from megatron.core import parallel_state as ps
+
+        from services.trainer.step import DataShard
+
+        shard = DataShard(layout.dp_rank, layout.dp_size, ps.get_data_parallel_group())
+    return BuiltPolicy(policy, reference, model, shape, layout, backend, shard)

@@ -19,6 +19,10 @@ from services.trainer.batch import MicroBatch
 from services.trainer.optimizer_stream import MasterAdam
 
 LogprobFn = Callable[[Any, Tensor], Tensor]
+#: Clips the gradients of the given params to a max norm in place; returns the norm before.
+ClipFn = Callable[[list[Tensor], float], float]
+#: Makes the gradients of the given params complete across ranks (data-parallel all-reduce).
+GradSyncFn = Callable[[list[Tensor]], None]
 MODEL_FILE = "model.pt"
 
 
@@ -59,6 +63,10 @@ def causal_lm_logprobs(model: Any, input_ids: Tensor) -> Tensor:
     return out
 
 
+def _clip_local(params: list[Tensor], max_norm: float) -> float:
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
 class FrozenModel:
     """A model scored without gradients, e.g. the reference of the KL term."""
 
@@ -80,11 +88,15 @@ class ModelPolicy:
         optimizer: MasterAdam,
         logprob_fn: LogprobFn = causal_lm_logprobs,
         max_grad_norm: float | None = 1.0,
+        clip_fn: ClipFn | None = None,
+        grad_sync: GradSyncFn | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.logprob_fn = logprob_fn
         self.max_grad_norm = max_grad_norm
+        self.clip_fn = clip_fn or _clip_local
+        self.grad_sync = grad_sync
 
     def logprobs(self, batch: MicroBatch) -> Tensor:
         return self.logprob_fn(self.model, batch.input_ids)
@@ -93,13 +105,15 @@ class ModelPolicy:
         loss.backward()
 
     def step(self) -> dict[str, float]:
+        if self.grad_sync is not None:
+            self.grad_sync(self.optimizer.params)
         params = [p for p in self.optimizer.params if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(
+        norm = self.clip_fn(
             params, self.max_grad_norm if self.max_grad_norm is not None else float("inf")
         )
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return {"grad_norm": float(norm)}
+        return {"grad_norm": norm}
 
     def save(self, directory: Path) -> None:
         torch.save(self.model.state_dict(), directory / MODEL_FILE)

@@ -3,13 +3,17 @@
 `TrainerRuntime` plugs into the shared gRPC/admin bootstrap (services/common/serve.py). The
 loop (loop.py) is blocking torch work, so it runs in one background thread; start() returns
 at once and readiness follows the loop. Pause and resume take effect between steps; stop
-lets the current step finish and checkpoints what was trained. Built by server.py.
+lets the current step finish and checkpoints what was trained. With more than one rank
+(tensor_parallel x data_parallel) this process is rank 0: it starts the other ranks (ranks.py,
+worker.py) before building the model, drives them step by step and stops them when the loop
+ends. Built by server.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import threading
 from dataclasses import asdict
 from typing import Any
@@ -42,6 +46,8 @@ class TrainerRuntime(ServiceRuntime):
         self.error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._workers: list[subprocess.Popen[bytes]] = []
+        self._channel: Any = None
 
     def add_to_grpc(self, server: grpc.aio.Server) -> None:
         from services._proto.riptide.v1 import common_pb2, trainer_pb2_grpc
@@ -61,31 +67,57 @@ class TrainerRuntime(ServiceRuntime):
         self._thread.start()
 
     def _main(self) -> None:
+        # The workers are started from this thread: they get SIGTERM when it ends.
         try:
             self.loop = self._build_loop()
             if self.paused:
                 self.loop.unpaused.clear()
             self.loop.run(self._stop.is_set)
+            if self._channel is not None:
+                from services.trainer.ranks import Stop
+
+                self._channel.send(Stop())
         except Exception as exc:  # the thread's end: keep the cause visible in /admin/state
             log.exception("trainer loop failed")
             self.error = f"{type(exc).__name__}: {exc}"
             self.stats.set_phase("failed")
+        finally:
+            if self._workers:
+                from services.trainer.ranks import join_workers
+
+                join_workers(self._workers)
 
     def _build_loop(self) -> Any:
         from services.common.buffer import SampleBuffer
+        from services.common.ports import free_port
         from services.trainer.checkpoint import Checkpointer
         from services.trainer.data import GroupStream
         from services.trainer.loop import TrainerLoop
-        from services.trainer.megatron_policy import build_policy
+        from services.trainer.megatron_policy import RankAddress, build_policy
+        from services.trainer.ranks import (
+            ControlChannel,
+            RankedPolicy,
+            Step,
+            Sync,
+            launch_workers,
+            service_world_size,
+        )
         from services.trainer.weight_sync import build_weight_sync
 
         c = self.config
         self.stats.set_phase("building")
-        built = build_policy(c)
-        if built.layout.world_size > 1:
-            raise NotImplementedError(
-                "the trainer loop runs one rank; launch the trainer with TP=PP=DP=1"
-            )
+        world_size = service_world_size(c)
+        address = None
+        if world_size > 1:
+            address = RankAddress(0, world_size, "127.0.0.1", free_port())
+            self._workers = launch_workers(c, world_size, address.master_port)
+        built = build_policy(c, address)
+        policy: Any = built.policy
+        on_step = None
+        if world_size > 1:
+            channel = self._channel = ControlChannel()
+            policy = RankedPolicy(built.policy, channel)
+            on_step = lambda batch: channel.send(Step(batch.micro_batches))  # noqa: E731
         stream = GroupStream(
             SampleBuffer(self.redis, self.run_name), c.consumer_name, c.rollout_batch_size,
             c.loss.normalize_advantage_std, c.max_tokens_per_microbatch, c.read_block_ms,
@@ -94,11 +126,17 @@ class TrainerRuntime(ServiceRuntime):
         weight_sync = build_weight_sync(c.weight_sync, built.backend, self.grpc_token)
         sync = None
         if weight_sync is not None:
-            sync = lambda version: weight_sync.sync(built.model, built.shape, version)  # noqa: E731
+
+            def sync(version: int) -> Any:
+                if self._channel is not None:
+                    self._channel.send(Sync(version))  # the other ranks join the gathers
+                return weight_sync.sync(built.model, built.shape, version)
+
         checkpointer = Checkpointer(c.checkpoint.dir, c.checkpoint.num_kept)
         return TrainerLoop(
-            c, built.policy, stream, checkpointer, sync, built.reference, stats=self.stats
-        )
+            c, policy, stream, checkpointer, sync, built.reference, stats=self.stats,
+            on_step=on_step, shard=built.shard,
+        )  # fmt: skip
 
     def ready(self) -> bool:
         return self.error is None and self.stats.phase not in ("starting", "building", "failed")

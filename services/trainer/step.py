@@ -4,12 +4,19 @@ At the start of the step the policy's log-probs of every micro-batch are taken w
 (the "old" policy of the PPO ratio and the numerator of the TIS weight against the engine's
 rollout log-probs). The batch is then split into `num_minibatches` optimizer updates; within
 one, micro-batch losses are weighted by their share of loss tokens, so the gradient is that
-of the token mean over the whole minibatch. Called by loop.py.
+of the token mean over the whole minibatch. With data parallelism every rank gets the whole
+batch and trains every `size`-th micro-batch of each minibatch (the policy sums the gradients
+over the DP group before its optimizer step); the metrics are summed over the group.
+Called by loop.py and worker.py.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 from services.trainer.batch import MicroBatch, RolloutBatch
 from services.trainer.loss import LossSettings, policy_loss
@@ -27,28 +34,56 @@ def _split(items: list[MicroBatch], parts: int) -> list[list[MicroBatch]]:
     return out
 
 
+@dataclass(frozen=True)
+class DataShard:
+    """This rank's share of each batch under data parallelism."""
+
+    rank: int
+    size: int
+    group: Any  # the data-parallel process group
+
+    def pick(self, items: list[MicroBatch]) -> list[MicroBatch]:
+        return items[self.rank :: self.size]
+
+    def sum(self, sums: dict[str, float]) -> dict[str, float]:
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, sums, group=self.group)
+        out: dict[str, float] = {}
+        for part in gathered:
+            for key, value in part.items():
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+
 def train_step(
     policy: Policy,
     batch: RolloutBatch,
     settings: LossSettings,
     num_minibatches: int = 1,
     reference: LogprobSource | None = None,
+    shard: DataShard | None = None,
 ) -> dict[str, float]:
     """Run the optimizer updates of one rollout batch; returns token-weighted mean metrics."""
+
+    def mine(items: list[MicroBatch]) -> list[MicroBatch]:
+        return shard.pick(items) if shard is not None else items
+
     with torch.no_grad():
-        old = {id(mb): policy.logprobs(mb).detach() for mb in batch.micro_batches}
+        old = {id(mb): policy.logprobs(mb).detach() for mb in mine(batch.micro_batches)}
         ref = (
-            {id(mb): reference.logprobs(mb).detach() for mb in batch.micro_batches}
+            {id(mb): reference.logprobs(mb).detach() for mb in mine(batch.micro_batches)}
             if reference is not None
             else {}
         )
     sums: dict[str, float] = {}
+    step_sums: dict[str, float] = {}
     total_tokens = 0
     for minibatch in _split(batch.micro_batches, num_minibatches):
         tokens = sum(mb.num_loss_tokens for mb in minibatch)
         if tokens == 0:
             continue
-        for mb in minibatch:
+        total_tokens += tokens
+        for mb in mine(minibatch):
             n = mb.num_loss_tokens
             if n == 0:
                 continue
@@ -61,9 +96,11 @@ def train_step(
             for key, value in metrics.items():
                 if key != "num_loss_tokens":
                     sums[key] = sums.get(key, 0.0) + float(value) * n
-            total_tokens += n
-        for key, step_value in policy.step().items():
-            sums[key] = sums.get(key, 0.0) + step_value * tokens
+        for key, step_value in policy.step().items():  # the same on every rank
+            step_sums[key] = step_sums.get(key, 0.0) + step_value * tokens
+    if shard is not None:
+        sums = shard.sum(sums)
+    sums.update(step_sums)
     out = {key: value / max(total_tokens, 1) for key, value in sums.items()}
     out["num_loss_tokens"] = float(total_tokens)
     return out

@@ -1,0 +1,82 @@
+"""A trainer rank other than 0: builds its shard of the policy and follows rank 0's commands.
+
+Started by the trainer service (ranks.launch_workers) as
+`python -m services.trainer.worker --config FILE --rank R --world-size W --master-port P`,
+where FILE is the trainer section as JSON. It runs the same step, checkpoint and weight-sync
+code as rank 0 on its own shard, and exits when rank 0 sends Stop (or dies with rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from services.trainer.config import TrainerConfig
+
+log = logging.getLogger("services.trainer.worker")
+
+
+def run_worker(config: TrainerConfig, rank: int, world_size: int, master_port: int) -> None:
+    """Build this rank's policy, then execute commands until Stop."""
+    import torch
+
+    from services.trainer.batch import RolloutBatch
+    from services.trainer.convert import iter_hf_buckets
+    from services.trainer.megatron_policy import RankAddress, build_policy
+    from services.trainer.ranks import (
+        ControlChannel,
+        Load,
+        Save,
+        Step,
+        Stop,
+        Sync,
+        save_shard,
+        shard_dir,
+    )
+    from services.trainer.step import train_step
+
+    address = RankAddress(rank, world_size, "127.0.0.1", master_port)
+    built = build_policy(config, address)
+    channel = ControlChannel()
+    settings = config.loss.settings()
+    sync_dtype = getattr(torch, config.weight_sync.dtype)
+    log.info("rank %d of %d ready", rank, world_size)
+    while True:
+        command = channel.receive()
+        if isinstance(command, Step):
+            batch = RolloutBatch(command.micro_batches, [], [], [])
+            train_step(built.policy, batch, settings, config.num_minibatches, built.reference,
+                       built.shard)
+        elif isinstance(command, Save):
+            save_shard(built.policy, command.directory, rank)
+            channel.barrier()
+        elif isinstance(command, Load):
+            built.policy.load(shard_dir(command.directory, rank))
+            channel.barrier()
+        elif isinstance(command, Sync):
+            # Rank 0 sends; the others take part in the same gathers (see weight_sync.py).
+            for _ in iter_hf_buckets(built.model, built.shape, config.weight_sync.bucket_mb,
+                                     sync_dtype):
+                pass
+        elif isinstance(command, Stop):
+            log.info("rank %d stopping", rank)
+            return
+        else:
+            raise TypeError(f"unknown command {command!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="a trainer rank other than 0")
+    parser.add_argument("--config", required=True, help="the trainer section as JSON")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = TrainerConfig.model_validate_json(Path(args.config).read_text())
+    run_worker(config, args.rank, args.world_size, args.master_port)
+
+
+if __name__ == "__main__":
+    main()
