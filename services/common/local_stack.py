@@ -126,7 +126,17 @@ class LocalStack:
 
     def _wait_ready(self, name: str, timeout_s: float) -> None:
         section = getattr(self.config, name)
-        self._wait(lambda: _http_ok(f"{section.admin_url}/readyz"), name, timeout_s)
+
+        def probe() -> bool:
+            if _http_ok(f"{section.admin_url}/readyz"):
+                return True
+            error = _reported_error(section.admin_url, self.config.run.admin_token)
+            if error:
+                raise RiptideError(f"{name} failed while starting: {error}\n"
+                                   f"last log lines:\n{self.log_tail(name)}")
+            return False
+
+        self._wait(probe, name, timeout_s)
         self.say(f"[up] {name:<10} ready  grpc {section.grpc_address}  admin {section.admin_url}")
 
     def _wait(self, probe: Callable[[], bool], name: str, timeout_s: float) -> None:
@@ -163,6 +173,18 @@ def _http_ok(url: str) -> bool:
         return httpx.get(url, timeout=1.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _reported_error(admin_url: str, token: str) -> str | None:
+    """The `error` a starting service reports in its admin state, if it reports one."""
+    try:
+        resp = httpx.get(f"{admin_url}/admin/state", timeout=1.0,
+                         headers={"Authorization": f"Bearer {token}"})
+        details = resp.json().get("details") or {} if resp.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    error = details.get("error") if isinstance(details, dict) else None
+    return str(error) if error else None
 
 
 def _redis_pings(port: int) -> bool:

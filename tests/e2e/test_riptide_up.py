@@ -121,3 +121,24 @@ def test_up_with_steps_trains_syncs_and_summarizes(tmp_path: Path) -> None:
     assert summary["prefix_cache_hit_rate"] > 0.5
     time.sleep(0.5)
     assert alive(children) == set(), "processes left behind after the run ended"
+
+
+def test_a_service_failing_at_start_stops_the_stack_with_its_error(tmp_path: Path) -> None:
+    """A trainer that cannot load its model fails `riptide up` fast, naming the cause."""
+    from services.common.config import dump_config
+    from services.common.local_stack import ensure_tiny_model, local_config
+
+    run_dir = tmp_path / "stack"
+    ensure_tiny_model(run_dir)
+    config = local_config(run_dir, {"trainer": {"model": {"hf_path": str(tmp_path / "absent")}}})
+    config_path = tmp_path / "broken.toml"
+    config_path.write_text(dump_config(config))
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "services.cli", "up", "--dir", str(run_dir),
+                             "--config", str(config_path)], capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "trainer failed while starting" in result.stderr
+    assert str(tmp_path / "absent") in result.stderr
+    assert time.monotonic() - started < 120
+    assert "[up] stopped" in result.stdout
