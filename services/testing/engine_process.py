@@ -11,15 +11,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
 
-from services.common import process
-from services.common.errors import Unavailable
-
-_REPO = Path(__file__).resolve().parents[2]
+from services.testing.child_server import ChildServer
 
 
 def tiny_model_path(root: str | Path | None = None) -> Path:
@@ -41,8 +37,10 @@ def tiny_model_path(root: str | Path | None = None) -> Path:
     return folder
 
 
-class EngineProcess:
+class EngineProcess(ChildServer):
     """One built-in engine on a free loopback port; a context manager."""
+
+    name = "engine"
 
     def __init__(
         self,
@@ -53,45 +51,14 @@ class EngineProcess:
         start_timeout_s: float = 120.0,
     ) -> None:
         self.model_path = Path(model_path)
-        self._dir = Path(tempfile.mkdtemp(prefix="riptide-engine-"))
-        ready = self._dir / "port"
-        cmd = [
-            sys.executable,
-            "-m",
-            "services.rollout.engine",
-            "--model",
-            str(model_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--ready-file",
-            str(ready),
-            "--dp-size",
-            str(dp_size),
-            *(extra_args or []),
-        ]
-        self.proc = process.spawn(cmd, log_path=self._dir / "engine.log", cwd=_REPO)
-        deadline = time.monotonic() + start_timeout_s
-        while not ready.exists() or not ready.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise Unavailable(f"engine did not start: {self.log_tail()}")
-            time.sleep(0.05)
-        self.port = int(ready.read_text())
-        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "services.rollout.engine", "--model", str(model_path),
+               "--host", "127.0.0.1", "--port", "0", "--dp-size", str(dp_size),
+               *(extra_args or [])]
+        super().__init__(cmd, start_timeout_s)
         self.client = httpx.Client(base_url=self.url, timeout=120)
         while self.client.get("/health").status_code != 200:
-            if time.monotonic() > deadline:
-                self.stop()
-                raise Unavailable(f"engine not healthy: {self.log_tail()}")
+            self.check_starting("not healthy")
             time.sleep(0.05)
-
-    def log_tail(self) -> str:
-        try:
-            return (self._dir / "engine.log").read_text()[-4000:]
-        except OSError:
-            return "(no log)"
 
     def generate(self, input_ids: list[int], **body: Any) -> dict[str, Any]:
         """POST /generate with `input_ids`; raises on an HTTP error."""
@@ -105,25 +72,7 @@ class EngineProcess:
     def get(self, path: str) -> httpx.Response:
         return self.client.get(path)
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the engine (a crash)."""
-        process.stop(self.proc, grace_s=0)
-
     def stop(self) -> None:
-        process.stop(self.proc, grace_s=5)
+        super().stop()
         if hasattr(self, "client"):
             self.client.close()
-
-    def __enter__(self) -> EngineProcess:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

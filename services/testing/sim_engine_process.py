@@ -7,52 +7,32 @@ nothing else. Used by the router's integration tests, bench/router.py and the ro
 from __future__ import annotations
 
 import sys
-import tempfile
-import time
-from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
 
-from services.common import process
-from services.common.errors import Unavailable
+from services.testing.child_server import ChildServer
 
 
-class SimEngineProcess:
+class SimEngineProcess(ChildServer):
     """One simulated engine process on a free loopback port."""
+
+    name = "sim-engine"
+    stop_grace_s = 2.0
 
     def __init__(self, *, dp_size: int = 1, cache_tokens: int = 65536,
                  prefill_s_per_token: float = 2e-6, decode_s_per_token: float = 2e-4,
                  batch_slowdown: float = 0.0, weight_version: str = "0",
                  dp_attention: bool = True, port: int = 0,
                  start_timeout_s: float = 15.0) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="riptide-sim-engine-"))
-        ready = self._dir / "port"
         cmd = [sys.executable, "-m", "services.testing.sim_engine", "--port", str(port),
-               "--ready-file", str(ready), "--dp-size", str(dp_size),
-               "--cache-tokens", str(cache_tokens),
+               "--dp-size", str(dp_size), "--cache-tokens", str(cache_tokens),
                "--prefill-s-per-token", str(prefill_s_per_token),
                "--decode-s-per-token", str(decode_s_per_token),
                "--batch-slowdown", str(batch_slowdown), "--weight-version", weight_version]
         if not dp_attention:
             cmd.append("--no-dp-attention")
-        self.proc = process.spawn(cmd, log_path=self._dir / "engine.log",
-                                  cwd=Path(__file__).resolve().parents[2])
-        deadline = time.monotonic() + start_timeout_s
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise Unavailable(f"sim engine did not start: {self.log_tail()}")
-            time.sleep(0.02)
-        self.port = int(ready.read_text())
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self) -> str:
-        try:
-            return (self._dir / "engine.log").read_text()[-2000:]
-        except OSError:
-            return "(no log)"
+        super().__init__(cmd, start_timeout_s)
 
     def control(self, **settings: Any) -> dict[str, Any]:
         """POST /sim/control: fail_health, fail_generate_status, fail_generate_count."""
@@ -65,23 +45,6 @@ class SimEngineProcess:
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
         return {k: float(v) for k, v in (line.split() for line in text.splitlines() if line)}
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the engine (a crash)."""
-        process.stop(self.proc, grace_s=0)
-
-    def stop(self) -> None:
-        process.stop(self.proc, grace_s=2)
-
-    def __enter__(self) -> SimEngineProcess:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
 
 def start_sim_engines(count: int, **kwargs: Any) -> list[SimEngineProcess]:
