@@ -103,7 +103,7 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
         no_decay=megatron_no_decay(named),
     )
     clip = clip_model_parallel_grad_norm if layout.world_size > 1 else None
-    grad_sync = all_reduce_data_parallel_grads if layout.dp_size > 1 else None
+    grad_sync = all_reduce_data_parallel_grads if layout.world_size > 1 else None
     policy = ModelPolicy(model, optimizer, token_logprobs, opt.max_grad_norm, clip, grad_sync)
     reference = None
     if config.loss.kl_coef > 0:
