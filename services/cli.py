@@ -73,6 +73,15 @@ def _serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.config}: engine.model_path is required to serve an engine")
         serve_engine(config.engine)
         return 0
+    if args.service == "trainer" and config.trainer.parallel.launcher == "external":
+        from services.trainer.rank_env import launched_rank
+
+        me = launched_rank()
+        if me.rank != 0:  # only rank 0 serves; the others follow its commands
+            from services.trainer.worker import serve_launched_rank
+
+            serve_launched_rank(config.trainer, me)
+            return 0
     from services.common.serve import serve
 
     server = importlib.import_module(f"services.{args.service}.server")

@@ -27,6 +27,7 @@ class RankAddress:
     world_size: int
     master_addr: str
     master_port: int
+    local_rank: int | None = None  # the GPU on its node (None: rank modulo the GPU count)
 
 
 @dataclass
@@ -60,7 +61,7 @@ def build_model(
         layout = init_parallel(
             config.parallel, rank=ranks.rank, world_size=ranks.world_size,
             master_addr=ranks.master_addr, master_port=ranks.master_port,
-            seed=config.model.seed,
+            local_rank=ranks.local_rank, seed=config.model.seed,
         )  # fmt: skip
     else:
         single = "WORLD_SIZE" not in os.environ

@@ -35,6 +35,12 @@ class ParallelConfig(StrictModel):
         "auto", description="torch.distributed backend (auto: nccl with CUDA, else gloo)"
     )
     init_timeout_s: float = Field(300.0, gt=0, description="rendezvous timeout of the ranks")
+    launcher: Literal["local", "external"] = Field(
+        "local",
+        description="local: rank 0 starts the other ranks on its own machine; external: srun "
+        "or torchrun starts every rank (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS, "
+        "MASTER_ADDR, MASTER_PORT), which lets the trainer span nodes",
+    )
 
     @property
     def model_parallel_size(self) -> int:

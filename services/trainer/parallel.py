@@ -64,6 +64,7 @@ def init_parallel(
     world_size: int | None = None,
     master_addr: str | None = None,
     master_port: int | None = None,
+    local_rank: int | None = None,
     seed: int = 1234,
 ) -> ParallelLayout:
     """Initialise torch.distributed and megatron's parallel groups for this process."""
@@ -92,7 +93,9 @@ def init_parallel(
     backend = resolve_backend(config)
     apply_cpu_shim()
     if backend == "nccl":
-        torch.cuda.set_device(_env_int("LOCAL_RANK", rank % torch.cuda.device_count()))
+        if local_rank is None:
+            local_rank = _env_int("LOCAL_RANK", rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = master_port or _env_int("MASTER_PORT", 29500)

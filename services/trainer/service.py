@@ -4,9 +4,10 @@
 loop (loop.py) is blocking torch work, so it runs in one background thread; start() returns
 at once and readiness follows the loop. Pause and resume take effect between steps; stop
 lets the current step finish and checkpoints what was trained. With more than one rank
-(tensor_parallel x data_parallel) this process is rank 0: it starts the other ranks (ranks.py,
-worker.py) before building the model, drives them step by step and stops them when the loop
-ends. Built by server.py.
+this process is rank 0: it drives the other ranks (ranks.py, worker.py) step by step and
+stops them when the loop ends. With `parallel.launcher = "local"` it starts them itself, as
+children on this machine, before building the model; with "external" srun or torchrun started
+every rank (rank_env.py) and they meet at MASTER_ADDR:MASTER_PORT. Built by server.py.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class TrainerRuntime(ServiceRuntime):
         self._thread: threading.Thread | None = None
         self._workers: list[subprocess.Popen[bytes]] = []
         self._channel: Any = None
+        self._weight_sync: Any = None
 
     def add_to_grpc(self, server: grpc.aio.Server) -> None:
         from services._proto.riptide.v1 import common_pb2, trainer_pb2_grpc
@@ -82,6 +84,11 @@ class TrainerRuntime(ServiceRuntime):
             self.error = f"{type(exc).__name__}: {exc}"
             self.stats.set_phase("failed")
         finally:
+            if self._weight_sync is not None:
+                try:  # leave the weight-update group so engines are not left waiting in it
+                    self._weight_sync.close()
+                except Exception:
+                    log.exception("closing the weight sync failed")
             if self._workers:
                 from services.trainer.ranks import join_workers
 
@@ -94,6 +101,7 @@ class TrainerRuntime(ServiceRuntime):
         from services.trainer.data import GroupStream
         from services.trainer.loop import TrainerLoop
         from services.trainer.megatron_policy import RankAddress, build_policy
+        from services.trainer.rank_env import launched_rank
         from services.trainer.ranks import (
             ControlChannel,
             RankedPolicy,
@@ -106,11 +114,16 @@ class TrainerRuntime(ServiceRuntime):
 
         c = self.config
         self.stats.set_phase("building")
-        world_size = service_world_size(c)
         address = None
-        if world_size > 1:
-            address = RankAddress(0, world_size, "127.0.0.1", free_port())
-            self._workers = launch_workers(c, world_size, address.master_port)
+        if c.parallel.launcher == "external":
+            me = launched_rank()  # srun/torchrun started the other ranks, maybe on other nodes
+            world_size = me.world_size
+            address = RankAddress(0, world_size, me.master_addr, me.master_port, me.local_rank)
+        else:
+            world_size = service_world_size(c)
+            if world_size > 1:
+                address = RankAddress(0, world_size, "127.0.0.1", free_port())
+                self._workers = launch_workers(c, world_size, address.master_port)
         built = build_policy(c, address)
         policy: Any = built.policy
         on_step = None
@@ -123,7 +136,9 @@ class TrainerRuntime(ServiceRuntime):
             c.loss.normalize_advantage_std, c.max_tokens_per_microbatch, c.read_block_ms,
             c.pad_token_id,
         )  # fmt: skip
-        weight_sync = build_weight_sync(c.weight_sync, built.backend, self.grpc_token)
+        weight_sync = self._weight_sync = build_weight_sync(
+            c.weight_sync, built.backend, self.grpc_token
+        )
         sync = None
         if weight_sync is not None:
 

@@ -2,28 +2,33 @@
 
 Started by the trainer service (ranks.launch_workers) as
 `python -m services.trainer.worker --config FILE --rank R --world-size W --master-port P`,
-where FILE is the trainer section as JSON. It runs the same step, checkpoint and weight-sync
-code as rank 0 on its own shard, and exits when rank 0 sends Stop (or dies with rank 0).
+where FILE is the trainer section as JSON, or, with `parallel.launcher = "external"`, by
+`riptide serve trainer` on a rank other than 0 that srun or torchrun started (rank_env.py).
+It runs the same step, checkpoint and weight-sync code as rank 0 on its own shard, and exits
+when rank 0 sends Stop or when rank 0 is gone (its collectives then fail).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from pathlib import Path
 
 from services.trainer.config import TrainerConfig
+from services.trainer.megatron_policy import RankAddress
+from services.trainer.rank_env import LaunchedRank
 
 log = logging.getLogger("services.trainer.worker")
 
 
-def run_worker(config: TrainerConfig, rank: int, world_size: int, master_port: int) -> None:
+def run_worker(config: TrainerConfig, address: RankAddress) -> None:
     """Build this rank's policy, then execute commands until Stop."""
     import torch
 
     from services.trainer.batch import RolloutBatch
     from services.trainer.convert import iter_hf_buckets
-    from services.trainer.megatron_policy import RankAddress, build_policy
+    from services.trainer.megatron_policy import build_policy
     from services.trainer.ranks import (
         ControlChannel,
         Load,
@@ -34,12 +39,13 @@ def run_worker(config: TrainerConfig, rank: int, world_size: int, master_port: i
         save_shard,
         shard_dir,
     )
-    from services.trainer.step import train_step
+    from services.trainer.pipeline_step import train_step_for
 
-    address = RankAddress(rank, world_size, "127.0.0.1", master_port)
+    rank, world_size = address.rank, address.world_size
     built = build_policy(config, address)
     channel = ControlChannel()
     settings = config.loss.settings()
+    train_step = train_step_for(config.parallel)
     sync_dtype = getattr(torch, config.weight_sync.dtype)
     log.info("rank %d of %d ready", rank, world_size)
     while True:
@@ -66,16 +72,29 @@ def run_worker(config: TrainerConfig, rank: int, world_size: int, master_port: i
             raise TypeError(f"unknown command {command!r}")
 
 
+def serve_launched_rank(config: TrainerConfig, me: LaunchedRank) -> None:
+    """`riptide serve trainer` on a rank other than 0 that srun or torchrun started."""
+    # A cancelled job signals every rank at once: this one must stay for the final checkpoint
+    # rank 0 writes with it, and leaves on rank 0's Stop or when rank 0 is gone.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    log.info("rank %d of %d joins rank 0 at %s:%d", me.rank, me.world_size, me.master_addr,
+             me.master_port)
+    run_worker(config, RankAddress(me.rank, me.world_size, me.master_addr, me.master_port,
+                                   me.local_rank))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="a trainer rank other than 0")
     parser.add_argument("--config", required=True, help="the trainer section as JSON")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master-addr", default="127.0.0.1")
     parser.add_argument("--master-port", type=int, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = TrainerConfig.model_validate_json(Path(args.config).read_text())
-    run_worker(config, args.rank, args.world_size, args.master_port)
+    run_worker(config, RankAddress(args.rank, args.world_size, args.master_addr,
+                                   args.master_port))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ def test_reference_config_validates_with_the_slurm_overrides() -> None:
     assert config.rollout.scheduler.batch_samples == 64
     assert config.sandbox.provider.type == "daytona"
     assert config.trainer.weight_sync.bucket_mb == 2048.0
+    assert config.trainer.parallel.launcher == "external"
 
 
 def test_slurm_adapter_is_valid_bash() -> None:
