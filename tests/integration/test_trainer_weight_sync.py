@@ -202,7 +202,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "via_rollout"), [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize(("tp", "via_rollout"), [(1, False), (2, False), (1, True), (2, True)])
 def test_engine_logprobs_equal_trainer_after_sync(
     engine: EngineProcess, tp: int, via_rollout: bool
 ) -> None:
