@@ -49,7 +49,9 @@ class CudaToCpuMode(TorchFunctionMode):
             return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = _CPU
-        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros):
+        if kwargs.get("pin_memory"):  # no pinned-memory allocator without an accelerator
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to:  # new_empty/new_zeros take sizes, not devices, positionally
             args = tuple(_CPU if _is_cuda_device(a) else a for a in args)
         return func(*args, **kwargs)
 

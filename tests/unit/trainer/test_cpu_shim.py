@@ -19,6 +19,8 @@ def test_cuda_requests_land_on_cpu_and_rng_tracker_works() -> None:
     assert torch.zeros(2, device="cuda").device.type == "cpu"
     assert torch.ones(1).cuda().device.type == "cpu"
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"  # what megatron's optimizers check
+    # megatron's rope slicing for context parallelism asks for pinned memory
+    assert torch.tensor([0, 3], pin_memory=True).cuda().tolist() == [0, 3]
     tracker = mpu_random.CudaRNGStatesTracker()
     tracker.add("model-parallel-rng", 123)
     with tracker.fork():
