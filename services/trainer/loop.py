@@ -1,10 +1,11 @@
 """The trainer's main loop: read batch, step, checkpoint, ack, sync.
 
 `TrainerLoop.run` is the whole control flow; the work lives in data.py (stream), step.py
-(loss and optimizer updates), checkpoint.py and the injected weight-sync callable. The
-policy is injected too, so the same loop drives the megatron model (service.py) and tiny
-torch models (tests). Entries are acked only after the checkpoint covering them is durable;
-on start the loop resumes from the newest checkpoint and re-reads what it had not covered.
+(loss and optimizer updates; pipeline_step.py with PP > 1), checkpoint.py and the injected
+weight-sync callable. The policy is injected too, so the same loop drives the megatron model
+(service.py) and tiny torch models (tests). Entries are acked only after the checkpoint
+covering them is durable; on start the loop resumes from the newest checkpoint and re-reads
+what it had not covered.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from services.trainer.batch import RolloutBatch
 from services.trainer.checkpoint import Checkpointer, TrainerState
 from services.trainer.config import TrainerConfig
 from services.trainer.data import GroupStream, Recovery
+from services.trainer.pipeline_step import train_step_for
 from services.trainer.policy import LogprobSource, Policy
 from services.trainer.stats import StepRecord, TrainerStats
-from services.trainer.step import DataShard, train_step
+from services.trainer.step import DataShard
 
 #: Pushes the policy's weights to the engines as the given weight version.
 WeightSyncFn = Callable[[int], Any]
@@ -56,6 +58,7 @@ class TrainerLoop:
         self.stats = stats or TrainerStats()
         self.on_step = on_step
         self.shard = shard
+        self.train_step = train_step_for(config.parallel)
         self.state = TrainerState()
         self.recovery: Recovery | None = None
         self.unpaused = threading.Event()
@@ -74,7 +77,7 @@ class TrainerLoop:
             trained_version, start = self.state.weight_version, time.monotonic()
             if self.on_step is not None:
                 self.on_step(batch)
-            metrics = train_step(                                       # step
+            metrics = self.train_step(                                  # step
                 self.policy, batch, self.config.loss.settings(),
                 self.config.num_minibatches, self.reference, self.shard,
             )  # fmt: skip

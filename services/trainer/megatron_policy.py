@@ -2,7 +2,8 @@
 
 Sets up the ranks (parallel.py), builds the model (model.py), loads the Hugging Face weights
 (convert.py) and wraps it in a `ModelPolicy` with per-token log-probs from logprobs.py and
-`MasterAdam` (optimizer state in memory, or streamed from `stream_optimizer_state_to_disk`).
+`MasterAdam` (optimizer state in memory, or streamed from `stream_optimizer_state_to_disk`);
+under context parallelism the log-probs come from context_parallel.py.
 Called by service.py; tests call it for the real-model paths.
 """
 
@@ -71,6 +72,12 @@ def build_model(
             seed=config.model.seed,
         )
     shape = ModelShape.from_hf(load_hf_config(config.model.hf_path))
+    if shape.is_moe and layout.tp_size > 1:
+        raise ConfigError(
+            "MoE models train with tensor_parallel = 1 only (megatron-core trains MoE layers"
+            " under TP only with sequence parallelism, which the local layer spec lacks);"
+            " spread them with expert_parallel and data_parallel instead"
+        )
     model = build_gpt_model(shape, dtype=config.model.dtype)
     load_hf_checkpoint(model, shape, config.model.hf_path)
     return model, shape, layout, resolve_backend(config.parallel)
@@ -105,7 +112,12 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
     )
     clip = clip_model_parallel_grad_norm if layout.world_size > 1 else None
     grad_sync = all_reduce_data_parallel_grads if layout.world_size > 1 else None
-    policy = ModelPolicy(model, optimizer, token_logprobs, opt.max_grad_norm, clip, grad_sync)
+    logprob_fn = token_logprobs
+    if layout.cp_size > 1:
+        from services.trainer.context_parallel import cp_token_logprobs
+
+        logprob_fn = cp_token_logprobs
+    policy = ModelPolicy(model, optimizer, logprob_fn, opt.max_grad_norm, clip, grad_sync)
     reference = None
     if config.loss.kl_coef > 0:
         from services.trainer.convert import load_hf_checkpoint
@@ -113,12 +125,13 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
 
         ref_model = build_gpt_model(shape, dtype=config.model.dtype)
         load_hf_checkpoint(ref_model, shape, config.loss.reference_hf_path or config.model.hf_path)
-        reference = FrozenModel(ref_model, token_logprobs)
+        reference = FrozenModel(ref_model, logprob_fn)
     shard = None
     if layout.dp_size > 1:
         from megatron.core import parallel_state as ps
 
         from services.trainer.step import DataShard
 
-        shard = DataShard(layout.dp_rank, layout.dp_size, ps.get_data_parallel_group())
+        shard = DataShard(layout.dp_rank, layout.dp_size, ps.get_data_parallel_group(),
+                          lockstep=layout.ep_size > 1)
     return BuiltPolicy(policy, reference, model, shape, layout, backend, shard)

@@ -4,7 +4,8 @@
 (dense Llama, Qwen2, Qwen3 with q/k norms, and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE);
 `transformer_config` maps them onto megatron's TransformerConfig and `build_gpt_model` builds
 this rank's part of the model with the local (non-TransformerEngine) layer spec, after
-`parallel.init_parallel`. The converters (convert.py) use the same ModelShape.
+`parallel.init_parallel` (under context parallelism with context_parallel.py's core attention).
+The converters (convert.py) use the same ModelShape.
 """
 
 from __future__ import annotations
@@ -193,11 +194,6 @@ def build_gpt_model(shape: ModelShape, *, dtype: str = "float32") -> Any:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    if ps.get_context_parallel_world_size() > 1:
-        raise ConfigError(
-            "context_parallel > 1 needs TransformerEngine attention; the local layer spec the "
-            "trainer builds (and its weight converters) supports context_parallel = 1 only"
-        )
     config = transformer_config(
         shape,
         tp=ps.get_tensor_model_parallel_world_size(),
@@ -212,6 +208,10 @@ def build_gpt_model(shape: ModelShape, *, dtype: str = "float32") -> Any:
         qk_layernorm=shape.qk_norm,
         normalization="RMSNorm",
     )
+    if ps.get_context_parallel_world_size() > 1:
+        from services.trainer.context_parallel import use_context_parallel_attention
+
+        spec = use_context_parallel_attention(spec)
     if shape.is_moe:
         _allow_moe_without_te()
     rope_scaling = shape.rope_scaling_factor is not None

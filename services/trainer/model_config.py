@@ -27,7 +27,9 @@ class ParallelConfig(StrictModel):
     tensor_parallel: int = Field(1, ge=1, description="tensor-parallel size (TP)")
     pipeline_parallel: int = Field(1, ge=1, description="pipeline-parallel size (PP)")
     context_parallel: int = Field(1, ge=1, description="context-parallel size (CP)")
-    expert_parallel: int = Field(1, ge=1, description="expert-parallel size (EP, MoE only)")
+    expert_parallel: int = Field(
+        1, ge=1, description="expert-parallel size (EP, MoE only; must divide DP x CP)"
+    )
     data_parallel: int | None = Field(
         None, ge=1, description="expected DP size; checked against world size / (TP*PP*CP)"
     )

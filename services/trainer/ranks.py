@@ -1,7 +1,7 @@
 """The trainer's ranks beyond the first: launch, command channel, sharded checkpoints.
 
 Rank 0 is the trainer service: it serves gRPC/admin, reads the stream and runs the loop.
-With tensor_parallel x data_parallel > 1 it starts the other ranks as child processes
+With more than one rank (TP x PP x CP x DP) it starts the other ranks as child processes
 (worker.py) that die with it, and drives them with commands broadcast over a dedicated gloo
 group (long timeout: the workers may wait as long as the stream stays empty): train a step on
 these micro-batches, save or load a checkpoint shard, take part in a weight sync's gathers, stop.
@@ -69,12 +69,17 @@ Command = Step | Save | Load | Sync | Stop
 def service_world_size(config: TrainerConfig) -> int:
     """Ranks the trainer service runs; raises ConfigError for layouts it cannot train yet."""
     p = config.parallel
-    if p.pipeline_parallel > 1 or p.context_parallel > 1 or p.expert_parallel > 1:
+    if p.pipeline_parallel > 1 and p.context_parallel > 1:
         raise ConfigError(
-            "the trainer service trains with tensor and data parallelism only; set"
-            " pipeline_parallel, context_parallel and expert_parallel to 1"
+            "pipeline_parallel > 1 with context_parallel > 1 is not supported yet; set one of"
+            " them to 1"
         )
-    return p.tensor_parallel * (p.data_parallel or 1)
+    if (p.data_parallel or 1) * p.context_parallel % p.expert_parallel:
+        raise ConfigError(
+            f"expert_parallel={p.expert_parallel} takes its ranks from the data-parallel ones;"
+            " set data_parallel to a multiple of it"
+        )
+    return p.tensor_parallel * p.pipeline_parallel * p.context_parallel * (p.data_parallel or 1)
 
 
 def shard_dir(directory: str | Path, rank: int) -> Path:

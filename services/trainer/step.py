@@ -6,7 +6,9 @@ rollout log-probs). The batch is then split into `num_minibatches` optimizer upd
 one, micro-batch losses are weighted by their share of loss tokens, so the gradient is that
 of the token mean over the whole minibatch. With data parallelism every rank gets the whole
 batch and trains every `size`-th micro-batch of each minibatch (the policy sums the gradients
-over the DP group before its optimizer step); the metrics are summed over the group.
+over the DP group before its optimizer step); the metrics are summed over the group. With
+expert parallelism the ranks run in lockstep (lockstep.py): as many micro-batches each, of
+equal shapes, padded with loss-free rows and dummies, including those without loss tokens.
 Called by loop.py and worker.py.
 """
 
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from services.trainer.batch import MicroBatch, RolloutBatch
+from services.trainer.lockstep import lockstep_share
 from services.trainer.loss import LossSettings, policy_loss
 from services.trainer.policy import LogprobSource, Policy
 
@@ -41,8 +44,11 @@ class DataShard:
     rank: int
     size: int
     group: Any  # the data-parallel process group
+    lockstep: bool = False  # every rank runs as many equally shaped micro-batches (EP > 1)
 
     def pick(self, items: list[MicroBatch]) -> list[MicroBatch]:
+        if self.lockstep:
+            return lockstep_share(items, self.rank, self.size)
         return items[self.rank :: self.size]
 
     def sum(self, sums: dict[str, float]) -> dict[str, float]:
@@ -68,24 +74,28 @@ def train_step(
     def mine(items: list[MicroBatch]) -> list[MicroBatch]:
         return shard.pick(items) if shard is not None else items
 
+    lockstep = shard is not None and shard.lockstep
+    plan = [
+        (tokens, mine(minibatch))  # (loss tokens of the whole minibatch, this rank's part)
+        for minibatch in _split(batch.micro_batches, num_minibatches)
+        if (tokens := sum(mb.num_loss_tokens for mb in minibatch)) > 0
+    ]
+    scheduled = [mb for _, part in plan for mb in part]
     with torch.no_grad():
-        old = {id(mb): policy.logprobs(mb).detach() for mb in mine(batch.micro_batches)}
+        old = {id(mb): policy.logprobs(mb).detach() for mb in scheduled}
         ref = (
-            {id(mb): reference.logprobs(mb).detach() for mb in mine(batch.micro_batches)}
+            {id(mb): reference.logprobs(mb).detach() for mb in scheduled}
             if reference is not None
             else {}
         )
     sums: dict[str, float] = {}
     step_sums: dict[str, float] = {}
     total_tokens = 0
-    for minibatch in _split(batch.micro_batches, num_minibatches):
-        tokens = sum(mb.num_loss_tokens for mb in minibatch)
-        if tokens == 0:
-            continue
+    for tokens, part in plan:
         total_tokens += tokens
-        for mb in mine(minibatch):
+        for mb in part:
             n = mb.num_loss_tokens
-            if n == 0:
+            if n == 0 and not lockstep:
                 continue
             loss, metrics = policy_loss(
                 policy.logprobs(mb), old[id(mb)], mb.rollout_logprobs, mb.advantages,

@@ -29,6 +29,7 @@ def run_worker(config: TrainerConfig, address: RankAddress) -> None:
     from services.trainer.batch import RolloutBatch
     from services.trainer.convert import iter_hf_buckets
     from services.trainer.megatron_policy import build_policy
+    from services.trainer.pipeline_step import train_step_for
     from services.trainer.ranks import (
         ControlChannel,
         Load,
@@ -39,7 +40,6 @@ def run_worker(config: TrainerConfig, address: RankAddress) -> None:
         save_shard,
         shard_dir,
     )
-    from services.trainer.pipeline_step import train_step_for
 
     rank, world_size = address.rank, address.world_size
     built = build_policy(config, address)

@@ -1,8 +1,9 @@
-"""`riptide serve trainer` with tensor_parallel=2 and with data_parallel=2: two ranks each
-(rank 0 plus one worker process) train from the real stream and end with the same parameters
-as a one-rank trainer fed the same batches from the same initial weights, also after a
-restart from the sharded checkpoint; SIGTERM leaves no process behind. With weight_sync
-mode "direct", a TP=2 trainer pushes its weights to a real engine after every step."""
+"""`riptide serve trainer` with tensor_parallel=2, data_parallel=2, context_parallel=2 and
+pipeline_parallel=2: two ranks each (rank 0 plus one worker process) train from the real
+stream and end with the same parameters and step metrics as a one-rank trainer fed the same
+batches from the same initial weights, also after a restart from the sharded checkpoint (TP);
+SIGTERM leaves no process behind. With weight_sync mode "direct", a TP=2 trainer pushes its
+weights to a real engine after every step."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def _group(index: int) -> Group:
 # real gradients (~1e-3 here) still take full steps.
 def _config(
     workdir: Path, redis_url: str, model_dir: Path, run: str, tp: int, dp: int,
-    lr: float = 1e-4, weight_sync: str = 'mode = "off"',
+    lr: float = 1e-4, weight_sync: str = 'mode = "off"', cp: int = 1, pp: int = 1,
 ) -> tuple[Path, int]:
     grpc_port, admin_port = free_ports(2)
     config = workdir / run / "deploy.toml"
@@ -86,6 +87,8 @@ max_grad_norm = 0.5
 [trainer.parallel]
 tensor_parallel = {tp}
 data_parallel = {dp}
+context_parallel = {cp}
+pipeline_parallel = {pp}
 [trainer.checkpoint]
 dir = "{workdir / run / 'ckpt'}"
 [trainer.weight_sync]
@@ -162,6 +165,20 @@ def _merge_tp_shards(shards: list[dict[str, Any]], full: dict[str, Any]) -> dict
     return merged
 
 
+def _merge_pp_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """One-rank names from pipeline stages: stage s's local layer i is global layer
+    s * (layers per stage) + i; the embedding is on the first stage, the head on the last."""
+    merged = {}
+    for stage, shard in enumerate(shards):
+        per_stage = len({k.split(".")[2] for k in shard if k.startswith("decoder.layers.")})
+        for key, value in shard.items():
+            parts = key.split(".")
+            if key.startswith("decoder.layers."):
+                parts[2] = str(stage * per_stage + int(parts[2]))
+            merged[".".join(parts)] = value
+    return merged
+
+
 def _sigterm_all(trainers: list[Trainer]) -> None:
     """SIGTERM every trainer: each exits 0 and leaves none of its worker ranks behind."""
     workers = {t.name: alive(descendants(t.proc.pid)) for t in trainers if t.proc}
@@ -189,9 +206,10 @@ def test_tp2_and_dp2_services_match_one_rank(redis_url: str, workdir: Path) -> N
     from services.rollout.engine.tiny_model import create_tiny_model
 
     model_dir = create_tiny_model(workdir / "model", hidden_size=64, num_layers=2)
-    layouts = {"one": (1, 1), "tp2": (2, 1), "dp2": (1, 2)}
-    trainers = {name: Trainer(workdir, redis_url, model_dir, name, tp, dp)
-                for name, (tp, dp) in layouts.items()}
+    layouts = {"one": (1, 1, 1), "tp2": (2, 1, 1), "dp2": (1, 2, 1), "cp2": (1, 1, 2)}
+    trainers = {name: Trainer(workdir, redis_url, model_dir, name, tp, dp, cp=cp)
+                for name, (tp, dp, cp) in layouts.items()}
+    trainers["pp2"] = Trainer(workdir, redis_url, model_dir, "pp2", 1, 1, pp=2)
     try:
         for t in trainers.values():
             t.produce(range(2 * NUM_STEPS))
@@ -199,7 +217,7 @@ def test_tp2_and_dp2_services_match_one_rank(redis_url: str, workdir: Path) -> N
         for t in trainers.values():
             t.wait_for_step(NUM_STEPS)
         last = {name: _last_step(t.admin_port) for name, t in trainers.items()}
-        for name in ("tp2", "dp2"):
+        for name in ("tp2", "dp2", "cp2", "pp2"):
             assert alive(descendants(trainers[name].proc.pid)), f"{name} runs no worker rank"  # type: ignore[union-attr]
         _sigterm_all(list(trainers.values()))
         # Restart from the sharded checkpoint and train one more step on new groups.
@@ -215,8 +233,9 @@ def test_tp2_and_dp2_services_match_one_rank(redis_url: str, workdir: Path) -> N
             if t.proc is not None:
                 process.stop(t.proc, grace_s=2)
 
-    final = {"one": NUM_STEPS + 1, "tp2": NUM_STEPS + 1, "dp2": NUM_STEPS}
-    for name in ("tp2", "dp2"):
+    final = {"one": NUM_STEPS + 1, "tp2": NUM_STEPS + 1, "dp2": NUM_STEPS, "cp2": NUM_STEPS,
+             "pp2": NUM_STEPS}
+    for name in ("tp2", "dp2", "cp2", "pp2"):
         state = trainers[name].state(final[name])
         produced = [f"group-{i:03d}" for i in range(2 * final[name])]
         assert state["step"] == final[name]
@@ -230,14 +249,17 @@ def test_tp2_and_dp2_services_match_one_rank(redis_url: str, workdir: Path) -> N
         one[NUM_STEPS]["embedding.word_embeddings.weight"].shape[0]
     )
     _compare("tp2", _merge_tp_shards(tp_shards, one[NUM_STEPS + 1]), one[NUM_STEPS + 1])
-    dp_replicas = trainers["dp2"].shards(NUM_STEPS)
-    for key, value in dp_replicas[0].items():  # data-parallel replicas stay identical
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, dp_replicas[1][key]), key
-    _compare("dp2", dp_replicas[0], one[NUM_STEPS])
-    for name in ("tp2", "dp2"):
+    for name in ("dp2", "cp2"):
+        replicas = trainers[name].shards(NUM_STEPS)
+        for key, value in replicas[0].items():  # DP and CP replicas stay identical
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, replicas[1][key]), (name, key)
+        _compare(name, replicas[0], one[NUM_STEPS])
+    _compare("pp2", _merge_pp_shards(trainers["pp2"].shards(NUM_STEPS)), one[NUM_STEPS])
+    for name in ("tp2", "dp2", "cp2", "pp2"):
         # The clip must see the global norm (a TP rank alone sees only its shard, a DP rank
-        # only its micro-batches), and the metrics cover the whole batch.
+        # only its micro-batches, a CP rank only its tokens' part of the gradient), and the
+        # metrics cover the whole batch.
         ref, ours = last["one"], last[name]
         assert abs(ours["metrics"]["grad_norm"] - ref["metrics"]["grad_norm"]) < 1e-4 * (
             ref["metrics"]["grad_norm"]

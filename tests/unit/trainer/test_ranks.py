@@ -1,5 +1,5 @@
-"""What the trainer service's ranks accept: world size from the parallel config, layouts it
-cannot train rejected up front, one shard folder per rank."""
+"""What the trainer service's ranks accept: world size from the parallel config (TP x PP x
+CP x DP), layouts it cannot train rejected up front, one shard folder per rank."""
 
 from __future__ import annotations
 
@@ -16,13 +16,25 @@ def test_world_size_is_tp_times_dp() -> None:
     assert service_world_size(TrainerConfig()) == 1
     parallel = {"tensor_parallel": 2, "data_parallel": 3}
     assert service_world_size(TrainerConfig.model_validate({"parallel": parallel})) == 6
+    parallel = {"tensor_parallel": 2, "context_parallel": 2, "data_parallel": 3}
+    assert service_world_size(TrainerConfig.model_validate({"parallel": parallel})) == 12
+    parallel = {"tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel": 2}
+    assert service_world_size(TrainerConfig.model_validate({"parallel": parallel})) == 8
 
 
-@pytest.mark.parametrize("field", ["pipeline_parallel", "context_parallel", "expert_parallel"])
-def test_other_layouts_are_config_errors(field: str) -> None:
-    config = TrainerConfig.model_validate({"parallel": {field: 2}})
-    with pytest.raises(ConfigError, match=field):
-        service_world_size(config)
+def test_pipeline_with_context_parallel_is_a_config_error() -> None:
+    parallel = {"pipeline_parallel": 2, "context_parallel": 2}
+    with pytest.raises(ConfigError, match="pipeline_parallel > 1 with context_parallel"):
+        service_world_size(TrainerConfig.model_validate({"parallel": parallel}))
+
+
+def test_expert_parallel_takes_its_ranks_from_data_parallel() -> None:
+    parallel = {"expert_parallel": 2, "data_parallel": 4}
+    assert service_world_size(TrainerConfig.model_validate({"parallel": parallel})) == 4
+    for dp in (None, 3):
+        parallel = {"expert_parallel": 2, "data_parallel": dp}
+        with pytest.raises(ConfigError, match="expert_parallel=2"):
+            service_world_size(TrainerConfig.model_validate({"parallel": parallel}))
 
 
 def test_shard_dir_per_rank(tmp_path: Path) -> None:

@@ -1,0 +1,167 @@
+"""One trainer step under pipeline parallelism: step.py's contract through megatron's 1F1B.
+
+Same inputs, outputs and loss as `step.train_step`: the "old" log-probs are anchored without
+grad at the start of the step (a forward-only pipeline pass), the batch is split into
+`num_minibatches` optimizer updates, and each micro-batch loss is weighted by its share of
+the minibatch's loss tokens; with data parallelism each pipeline trains its DataShard's
+micro-batches (in lockstep under EP, loss-free ones included). The policy's optimizer step
+makes the gradients whole (grad_norm.py: DP sums, and the last stage's tied embedding copy
+summed with the first stage's). Each minibatch runs megatron's forward-backward schedule
+once. Micro-batches differ in [B, S], so the stages exchange activation shapes first
+(`variable_seq_lengths`), and the loss function returns megatron's 3-tuple under
+`calculate_per_token_loss`, so the schedule neither divides the already weighted loss by its
+token count nor by the number of micro-batches. The loss and its metrics exist on the last
+stage only: they are summed over the data-parallel group there and broadcast over the
+pipeline group, so every rank (rank 0, the service, is on the first stage) returns what a
+one-rank trainer reports.
+Called by loop.py and worker.py when pipeline_parallel > 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from services.trainer.batch import MicroBatch, RolloutBatch
+from services.trainer.logprobs import forward_logits, token_logprobs_from_logits
+from services.trainer.loss import LossSettings, policy_loss
+from services.trainer.model_config import ParallelConfig
+from services.trainer.policy import LogprobSource, Policy
+from services.trainer.step import DataShard, _split
+from services.trainer.step import train_step as one_stage_train_step
+
+#: What the last stage does with one micro-batch's logits (megatron's loss_func result).
+OnLogits = Callable[[MicroBatch, Tensor], Any]
+#: step.train_step's signature (policy, batch, settings, num_minibatches, reference, shard).
+TrainStepFn = Callable[
+    [Policy, RolloutBatch, LossSettings, int, LogprobSource | None, DataShard | None],
+    dict[str, float],
+]
+
+
+def _megatron_model(source: object) -> Any:
+    model = getattr(source, "model", None)
+    if model is None:
+        raise TypeError(f"{type(source).__name__} holds no megatron model to pipeline")
+    return model
+
+
+def run_schedule(
+    model: Any, micro_batches: list[MicroBatch], on_logits: OnLogits, forward_only: bool
+) -> list[Any]:
+    """Run megatron's pipeline schedule over `micro_batches` (every stage calls it with the
+    same list); the last stage returns what `on_logits` gave for each, the others []."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    config.variable_seq_lengths = True
+    config.calculate_per_token_loss = True
+
+    def forward_step(data: Any, stage_model: Any) -> tuple[Tensor, Any]:
+        mb = next(data)
+
+        def loss_func(logits: Tensor, non_loss_data: bool = False) -> Any:
+            return on_logits(mb, logits)
+
+        return forward_logits(stage_model, mb.input_ids), loss_func
+
+    first = micro_batches[0].input_ids
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=first.shape[1],
+        micro_batch_size=first.shape[0],
+        forward_only=forward_only,
+        collect_non_loss_data=forward_only,
+    )
+    return list(out)
+
+
+def pipelined_logprobs(model: Any, micro_batches: list[MicroBatch]) -> dict[int, Tensor]:
+    """Log-probs of each micro-batch without grad, keyed by id(micro-batch); empty before
+    the last stage."""
+    if not micro_batches:
+        return {}
+    with torch.no_grad():
+        out = run_schedule(
+            model, micro_batches,
+            lambda mb, logits: token_logprobs_from_logits(logits, mb.input_ids),
+            forward_only=True,
+        )  # fmt: skip
+    return {id(mb): lp.detach() for mb, lp in zip(micro_batches, out, strict=True)} if out else {}
+
+
+def _to_every_stage(sums: dict[str, float]) -> dict[str, float]:
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_pipeline_model_parallel_world_size()
+    if size == 1:
+        return sums
+    box: list[Any] = [sums]
+    dist.broadcast_object_list(
+        box, group=ps.get_pipeline_model_parallel_group(), group_src=size - 1
+    )
+    return box[0]  # type: ignore[no-any-return]
+
+
+def train_step(
+    policy: Policy,
+    batch: RolloutBatch,
+    settings: LossSettings,
+    num_minibatches: int = 1,
+    reference: LogprobSource | None = None,
+    shard: DataShard | None = None,
+) -> dict[str, float]:
+    """`step.train_step` across pipeline stages; every rank returns the same metrics."""
+    model = _megatron_model(policy)
+    lockstep = shard is not None and shard.lockstep  # EP: loss-free micro-batches run too
+    plan = []  # (the minibatch's loss tokens, this pipeline's micro-batches of it)
+    for minibatch in _split(batch.micro_batches, num_minibatches):
+        tokens = sum(mb.num_loss_tokens for mb in minibatch)
+        if tokens > 0:
+            picked = shard.pick(minibatch) if shard is not None else minibatch
+            plan.append((tokens, [mb for mb in picked if mb.num_loss_tokens > 0 or lockstep]))
+    mine = [mb for _, todo in plan for mb in todo]
+    old = pipelined_logprobs(model, mine)
+    ref = pipelined_logprobs(_megatron_model(reference), mine) if reference is not None else {}
+    sums: dict[str, float] = {}
+
+    def weighted_loss(mb: MicroBatch, logits: Tensor, tokens: int) -> Any:
+        n = mb.num_loss_tokens
+        loss, metrics = policy_loss(
+            token_logprobs_from_logits(logits, mb.input_ids), old[id(mb)], mb.rollout_logprobs,
+            mb.advantages, mb.loss_mask, settings, ref.get(id(mb)),
+        )  # fmt: skip
+        metrics["loss"] = loss.detach()
+        for key, value in metrics.items():
+            if key != "num_loss_tokens":
+                sums[key] = sums.get(key, 0.0) + float(value) * n
+        return loss * (n / tokens), torch.tensor(n, dtype=torch.int), {}
+
+    step_sums: dict[str, float] = {}
+    for tokens, todo in plan:
+        if todo:
+            run_schedule(model, todo, partial(weighted_loss, tokens=tokens), forward_only=False)
+        for key, step_value in policy.step().items():  # the same on every rank
+            step_sums[key] = step_sums.get(key, 0.0) + step_value * tokens
+    if shard is not None:
+        sums = shard.sum(sums)
+    sums = _to_every_stage(sums)
+    sums.update(step_sums)
+    total_tokens = sum(tokens for tokens, _ in plan)
+    out = {key: value / max(total_tokens, 1) for key, value in sums.items()}
+    out["num_loss_tokens"] = float(total_tokens)
+    return out
+
+
+def train_step_for(parallel: ParallelConfig) -> TrainStepFn:
+    """The step function of a layout: this module's with pipeline_parallel > 1, else step.py's."""
+    return train_step if parallel.pipeline_parallel > 1 else one_stage_train_step
