@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-_ARCHS = {
+_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
@@ -27,6 +27,21 @@ _ARCHS = {
         "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "norm_topk_prob": True, "head_dim": 16},
+    ),
+    "glm_moe_dsa": (
+        "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
+        {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+         "v_head_dim": 16, "index_topk": 32, "index_n_heads": 2, "index_head_dim": 16,
+         "index_topk_freq": 2, "index_skip_topk_offset": 1},
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config", "DeepseekV3ForCausalLM",
+        {"n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+         "v_head_dim": 16, "num_mtp_layers": 0},
     ),
 }
 
@@ -44,8 +59,8 @@ def random_hf_model(
     tie_word_embeddings: bool = False,
     **overrides: Any,
 ) -> Any:
-    """A random fp32 `arch` model (llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral) with
-    eager attention; `overrides` go to the transformers config."""
+    """A random fp32 `arch` model (llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral,
+    glm_moe_dsa, deepseek_v3) with eager attention; `overrides` go to the transformers config."""
     import transformers
 
     config_name, model_name, extra = _ARCHS[arch]
@@ -70,6 +85,9 @@ def random_hf_model(
                 param.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # sigmoid routers' expert bias
+                buffer.normal_(0.0, 0.3)
     return model
 
 

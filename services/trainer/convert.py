@@ -156,9 +156,11 @@ def _owner_stage(rule: TensorRule, shape: ModelShape, pp_size: int) -> int:
 
 
 def _local_params(model: Any, shape: ModelShape, g: dict[str, Any]) -> dict[str, torch.Tensor]:
+    # Buffers too: the router's expert bias and the carried tensors of model_mla.py.
+    named = [*model.named_parameters(), *model.named_buffers()]
     return {
         _global_name(model, shape, name, g["ep_rank"], g["ep_size"]): p.detach()
-        for name, p in model.named_parameters()
+        for name, p in named
     }
 
 

@@ -50,11 +50,20 @@ class ModelShape:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (model_mla.MLAShape)."""
+        return False
+
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelShape:
         """Read a transformers config (LlamaConfig, Qwen2Config, MixtralConfig, ...)."""
         c = hf_config
         model_type = getattr(c, "model_type", "llama")
+        if model_type in ("glm_moe_dsa", "deepseek_v3"):
+            from services.trainer.model_mla import MLAShape
+
+            return MLAShape.from_hf(c)
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
@@ -190,6 +199,10 @@ def _allow_moe_without_te() -> None:
 
 def build_gpt_model(shape: ModelShape, *, dtype: str = "float32") -> Any:
     """This rank's megatron GPTModel for `shape`, in the layout `init_parallel` set up."""
+    if shape.is_mla:
+        from services.trainer.model_mla import build_mla_model
+
+        return build_mla_model(shape, dtype=dtype)  # type: ignore[arg-type]
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -143,6 +143,10 @@ def _layer_rules(shape: ModelShape, i: int) -> list[TensorRule]:
 
 def tensor_rules(shape: ModelShape) -> list[TensorRule]:
     """Every tensor of the full model, in Hugging Face checkpoint order."""
+    if shape.is_mla:
+        from services.trainer import weight_map_mla
+
+        return weight_map_mla.tensor_rules(shape)  # type: ignore[arg-type]
     v, h = shape.vocab_size, shape.hidden_size
     rules = [TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",),
                         "vocab", (v, h))]
