@@ -9,7 +9,7 @@ so a row must start at position 0) and grouped, longest first, into micro-batche
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -33,6 +33,14 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    def to(self, device: torch.device) -> MicroBatch:
+        """This micro-batch with its tensors on `device` (itself when they are there)."""
+        if self.input_ids.device == device:
+            return self
+        return MicroBatch(self.input_ids.to(device), self.loss_mask.to(device),
+                          self.rollout_logprobs.to(device), self.advantages.to(device),
+                          self.lengths)  # fmt: skip
+
 
 @dataclass
 class RolloutBatch:
@@ -51,6 +59,11 @@ class RolloutBatch:
     @property
     def num_loss_tokens(self) -> int:
         return sum(mb.num_loss_tokens for mb in self.micro_batches)
+
+    def on_device(self, device: torch.device) -> RolloutBatch:
+        """A copy whose micro-batches live on `device` (the stream builds them on the CPU,
+        which is also how rank 0 sends them to the other ranks)."""
+        return replace(self, micro_batches=[mb.to(device) for mb in self.micro_batches])
 
 
 @dataclass

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from services.trainer.batch import RolloutBatch
 from services.trainer.checkpoint import Checkpointer, TrainerState
 from services.trainer.config import TrainerConfig
@@ -48,6 +50,7 @@ class TrainerLoop:
         stats: TrainerStats | None = None,
         on_step: OnStepFn | None = None,
         shard: DataShard | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -58,6 +61,7 @@ class TrainerLoop:
         self.stats = stats or TrainerStats()
         self.on_step = on_step
         self.shard = shard
+        self.device = device or torch.device("cpu")  # where the policy's parameters live
         self.train_step = train_step_for(config.parallel)
         self.state = TrainerState()
         self.recovery: Recovery | None = None
@@ -78,7 +82,7 @@ class TrainerLoop:
             if self.on_step is not None:
                 self.on_step(batch)
             metrics = self.train_step(                                  # step
-                self.policy, batch, self.config.loss.settings(),
+                self.policy, batch.on_device(self.device), self.config.loss.settings(),
                 self.config.num_minibatches, self.reference, self.shard,
             )  # fmt: skip
             step_s = time.monotonic() - start

@@ -43,6 +43,12 @@ class BuiltPolicy:
     backend: str
     shard: Any = None  # this rank's DataShard under data parallelism (None: DP = 1)
 
+    @property
+    def device(self) -> Any:
+        """Where this rank's parameters live (a CUDA device, or the CPU)."""
+        return next(self.model.parameters()).device
+
+
 
 def build_model(
     config: TrainerConfig, ranks: RankAddress | None = None

@@ -150,7 +150,7 @@ class TrainerRuntime(ServiceRuntime):
         checkpointer = Checkpointer(c.checkpoint.dir, c.checkpoint.num_kept)
         return TrainerLoop(
             c, policy, stream, checkpointer, sync, built.reference, stats=self.stats,
-            on_step=on_step, shard=built.shard,
+            on_step=on_step, shard=built.shard, device=built.device,
         )  # fmt: skip
 
     def ready(self) -> bool:

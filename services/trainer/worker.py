@@ -51,7 +51,7 @@ def run_worker(config: TrainerConfig, address: RankAddress) -> None:
     while True:
         command = channel.receive()
         if isinstance(command, Step):
-            batch = RolloutBatch(command.micro_batches, [], [], [])
+            batch = RolloutBatch(command.micro_batches, [], [], []).on_device(built.device)
             train_step(built.policy, batch, settings, config.num_minibatches, built.reference,
                        built.shard)
         elif isinstance(command, Save):
