@@ -53,6 +53,11 @@ class OptimizerConfig(StrictModel):
     bucket_mb: float = Field(
         64.0, gt=0, description="fp32 master MiB per optimizer bucket (state is 3x that)"
     )
+    shard_state: bool = Field(
+        True,
+        description="split master weights and moments over data-parallel replicas, as "
+        "megatron's distributed optimizer does (each updates its share, then broadcasts it)",
+    )
     moments_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype of the stored Adam moments"
     )

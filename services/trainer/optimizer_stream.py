@@ -15,7 +15,9 @@ in RAM: the in-memory optimizer the disk one is compared against.
 
 The arithmetic is torch.optim.Adam/AdamW's single-tensor path operation for operation, so
 with fp32 moments the result equals torch's, and megatron-core's DistributedOptimizer's
-(which wraps torch's AdamW on CPU), bit for bit; the tests check both.
+(which wraps torch's AdamW on CPU), bit for bit; the tests check both. With a `StateShard`
+(optimizer_shard.py) a data-parallel replica keeps and updates only the buckets it owns and
+receives the other buckets' new parameter values from their owners.
 Called by the trainer's policy (services/trainer/policy.py) and checkpoint.py.
 """
 
@@ -28,9 +30,13 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from services.trainer.optimizer_shard import StateShard
 
 STATE_FILE = "optimizer.json"
 
@@ -199,7 +205,8 @@ def megatron_no_decay(named_params: list[tuple[str, Tensor]]) -> list[bool]:
 class MasterAdam:
     """Adam/AdamW over fp32 master weights held in a BucketStore (memory or disk).
 
-    `no_decay[i]` exempts parameter i from weight decay (see `megatron_no_decay`).
+    `no_decay[i]` exempts parameter i from weight decay (see `megatron_no_decay`). With a
+    `shard`, only the buckets this replica owns have state here (see optimizer_shard.py).
     """
 
     def __init__(
@@ -214,6 +221,7 @@ class MasterAdam:
         bucket_mb: float = 64.0,
         moments_dtype: torch.dtype = torch.float32,
         no_decay: list[bool] | None = None,
+        shard: StateShard | None = None,
     ) -> None:
         if moments_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"moments_dtype must be float32 or bfloat16, not {moments_dtype}")
@@ -223,13 +231,19 @@ class MasterAdam:
         self.moments_dtype = moments_dtype
         self.no_decay = no_decay or [False] * len(self.params)
         self._moment_size = torch.finfo(moments_dtype).bits // 8
-        self.buckets = plan_buckets(self.params, max(1, int(bucket_mb * 2**20) // 4))
-        nbytes = [b.numel * (4 + 2 * self._moment_size) for b in self.buckets]
+        bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
+        if shard is not None:  # at least one bucket per replica, so every one holds a share
+            total = sum(p.numel() for p in self.params)
+            bucket_numel = max(1, min(bucket_numel, -(-total // shard.size)))
+        self.buckets = plan_buckets(self.params, bucket_numel)
+        self.shard = shard
+        self.owned = [b for b in self.buckets if shard is None or shard.owns(b.index)]
+        nbytes = [b.numel * (4 + 2 * self._moment_size) for b in self.owned]
         if state_dir is None:
             self.store: BucketStore = MemoryBucketStore(nbytes)
         else:
             self.store = DiskBucketStore(nbytes, Path(state_dir))
-        self._grad = torch.empty(max((b.numel for b in self.buckets), default=0))
+        self._grad = torch.empty(max((b.numel for b in self.owned), default=0))
         self._init_master()
 
     def _views(self, bucket: Bucket, buf: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -243,7 +257,7 @@ class MasterAdam:
         return self.params[s.param_index].detach().view(-1)[s.start : s.start + s.numel]
 
     def _init_master(self) -> None:
-        for bucket, buf in zip(self.buckets, self.store.buffers(), strict=True):
+        for bucket, buf in zip(self.owned, self.store.buffers(), strict=True):
             buf.zero_()
             master, _, _ = self._views(bucket, buf)
             for s in bucket.slices:
@@ -256,8 +270,10 @@ class MasterAdam:
     @torch.no_grad()
     def step(self) -> None:
         """One Adam step over every parameter that has a gradient, bucket by bucket."""
-        for bucket, buf in zip(self.buckets, self.store.buffers(), strict=True):
+        for bucket, buf in zip(self.owned, self.store.buffers(), strict=True):
             self._update_bucket(bucket, buf)
+        if self.shard is not None:
+            self.shard.share(self.buckets, self._param_slice)
 
     def _update_bucket(self, bucket: Bucket, buf: Tensor) -> None:
         master, m_store, v_store = self._views(bucket, buf)
@@ -292,16 +308,17 @@ class MasterAdam:
             self._param_slice(s).copy_(param)
 
     def state_nbytes(self) -> int:
-        """Bytes of optimizer state (master + moments) over all buckets."""
+        """Bytes of optimizer state (master + moments) this rank holds."""
         return sum(self.store.bucket_nbytes)
 
     def save(self, directory: Path) -> None:
         """Write the state (bucket files and step counts) into an existing directory."""
-        steps = [[s.step for s in b.slices] for b in self.buckets]
+        steps = [[s.step for s in b.slices] for b in self.owned]
         meta = {
             "lr": self.lr,
             "moments_dtype": str(self.moments_dtype),
             "bucket_numel": [b.numel for b in self.buckets],
+            "shard": self._shard_key(),
             "steps": steps,
         }
         (directory / STATE_FILE).write_text(json.dumps(meta))
@@ -311,20 +328,30 @@ class MasterAdam:
         """Restore what `save` wrote; the bucket layout must match this optimizer's."""
         meta = json.loads((directory / STATE_FILE).read_text())
         layout = [b.numel for b in self.buckets]
-        if meta["bucket_numel"] != layout or meta["moments_dtype"] != str(self.moments_dtype):
+        if (
+            meta["bucket_numel"] != layout
+            or meta["moments_dtype"] != str(self.moments_dtype)
+            or meta.get("shard", [0, 1]) != self._shard_key()
+        ):
             raise ValueError(
                 f"{directory}: optimizer state layout differs from this optimizer's "
-                "(same model, bucket_mb and moments dtype are needed to resume)"
+                "(same model, bucket_mb, moments dtype and data-parallel size are needed "
+                "to resume)"
             )
-        for bucket, steps in zip(self.buckets, meta["steps"], strict=True):
+        for bucket, steps in zip(self.owned, meta["steps"], strict=True):
             for s, step in zip(bucket.slices, steps, strict=True):
                 s.step = step
         self.store.load(directory)
         with torch.no_grad():
-            for bucket, buf in zip(self.buckets, self.store.buffers(), strict=True):
+            for bucket, buf in zip(self.owned, self.store.buffers(), strict=True):
                 master, _, _ = self._views(bucket, buf)
                 for s in bucket.slices:
                     self._param_slice(s).copy_(master[s.offset : s.offset + s.numel])
+            if self.shard is not None:
+                self.shard.share(self.buckets, self._param_slice)
+
+    def _shard_key(self) -> list[int]:
+        return [0, 1] if self.shard is None else [self.shard.rank, self.shard.size]
 
     def close(self) -> None:
         self.store.close()

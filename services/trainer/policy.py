@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from services.trainer.batch import MicroBatch
+from services.trainer.optimizer_shard import CombinedOptimizer
 from services.trainer.optimizer_stream import MasterAdam
 
 LogprobFn = Callable[[Any, Tensor], Tensor]
@@ -85,7 +86,7 @@ class ModelPolicy:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: MasterAdam,
+        optimizer: MasterAdam | CombinedOptimizer,
         logprob_fn: LogprobFn = causal_lm_logprobs,
         max_grad_norm: float | None = 1.0,
         clip_fn: ClipFn | None = None,
