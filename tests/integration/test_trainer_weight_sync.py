@@ -9,6 +9,7 @@ reused and the version advances.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -25,8 +26,8 @@ PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
 
 def sync_worker(
-    rank: int, world_size: int, master_port: int, model_path: str, engine_url: str, tp: int,
-    rollout_address: str,
+    rank: int, world_size: int, master_port: int, model_path: str, engine_url: str,
+    parallel: dict[str, int], rollout_address: str,
 ) -> list[dict[str, Any]]:
     import httpx
     import torch
@@ -40,8 +41,8 @@ def sync_worker(
     from services.trainer.parallel import init_parallel, teardown_parallel
     from services.trainer.weight_sync import build_weight_sync
 
-    layout = init_parallel(ParallelConfig(tensor_parallel=tp), rank=rank,
-                           world_size=world_size, master_port=master_port)
+    layout = init_parallel(ParallelConfig(**parallel), rank=rank, world_size=world_size,
+                           master_port=master_port)
     shape = ModelShape.from_hf(load_hf_config(model_path))
     model = build_gpt_model(shape)
     load_hf_checkpoint(model, shape, model_path)
@@ -208,8 +209,9 @@ def test_engine_logprobs_equal_trainer_after_sync(
 ) -> None:
     with RolloutStandIn(engine.url) if via_rollout else nullcontext() as rollout:
         results = run_ranks(Path(__file__), "sync_worker", tp, {
-            "model_path": str(engine.model_path), "engine_url": engine.url, "tp": tp,
-            "rollout_address": rollout.address if rollout else "",
+            "model_path": str(engine.model_path), "engine_url": engine.url,
+            "parallel": {"tensor_parallel": tp}, "rollout_address": rollout.address if rollout
+            else "",
         })
         if rollout:
             assert rollout.committed == [1, 2]
@@ -225,3 +227,30 @@ def test_engine_logprobs_equal_trainer_after_sync(
     assert moved > 1e-2  # the engine really holds the trained weights, not the checkpoint
     if tp == 2:
         assert results[1][-1]["trainer"] == pytest.approx(rounds[-1]["trainer"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_moe_engine_takes_expert_parallel_weights(tmp_path: Path) -> None:
+    """An EP=2 trainer of a Qwen2-MoE model sends per-expert checkpoint names; the engine
+    (transformers 5 fuses its experts) loads them and then scores like the trainer."""
+    import shutil
+
+    from services.testing.hf_models import random_hf_model
+
+    tiny = tiny_model_path(tmp_path / "tiny")
+    moe = tmp_path / "moe"
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    random_hf_model("qwen2_moe", vocab_size=vocab, num_layers=2).save_pretrained(moe)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny / name, moe / name)
+    with EngineProcess(moe) as engine:
+        results = run_ranks(Path(__file__), "sync_worker", 2, {
+            "model_path": str(moe), "engine_url": engine.url, "rollout_address": "",
+            "parallel": {"expert_parallel": 2, "data_parallel": 2},
+        })  # fmt: skip
+    for result in results[0]:
+        diff = max(abs(a - b) for a, b in zip(result["engine"], result["trainer"], strict=True))
+        assert diff < 1e-3, result
+    moved = max(abs(a - b) for a, b in zip(results[0][-1]["engine"],
+                                           results[0][-1]["original"], strict=True))
+    assert moved > 1e-2

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from services.common.errors import InvalidRequest
 from services.rollout.engine.batch_kv import BatchKV
+from services.rollout.engine.checkpoint_names import CheckpointNames
 from services.rollout.engine.config import EngineConfig
 from services.rollout.engine.radix_cache import LayerKV
 
@@ -40,6 +41,7 @@ class ModelRunner:
         self.context_len = config.max_context_len or model_limit
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.parameters = dict(self.model.state_dict(keep_vars=True))
+        self.checkpoint_names = CheckpointNames(self.parameters)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -95,7 +97,7 @@ class ModelRunner:
     def check_weights(self, names: list[str], shapes: list[list[int]]) -> None:
         """Raise InvalidRequest naming the first unknown name or mismatched shape."""
         for name, shape in zip(names, shapes, strict=True):
-            param = self.parameters.get(name)
+            param = self.checkpoint_names.view(name)
             if param is None:
                 raise InvalidRequest(f"unknown parameter name {name!r}")
             if list(param.shape) != list(shape):
@@ -105,6 +107,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy received tensors into the model by Hugging Face name (cast to the model dtype)."""
+        """Copy received tensors into the model by Hugging Face checkpoint name (cast to the
+        model dtype; fused expert tensors take each expert's slice)."""
         for name, tensor in tensors.items():
-            self.parameters[name].copy_(tensor.to(self.device))
+            target = self.checkpoint_names.view(name)
+            if target is None:
+                raise InvalidRequest(f"unknown parameter name {name!r}")
+            target.copy_(tensor.to(self.device))
