@@ -79,6 +79,8 @@ class TrainerRuntime(ServiceRuntime):
                 from services.trainer.ranks import Stop
 
                 self._channel.send(Stop())
+                # Leaving at once could close the sockets before a rank read its Stop.
+                self._channel.barrier()
         except Exception as exc:  # the thread's end: keep the cause visible in /admin/state
             log.exception("trainer loop failed")
             self.error = f"{type(exc).__name__}: {exc}"

@@ -67,6 +67,7 @@ def run_worker(config: TrainerConfig, address: RankAddress) -> None:
                 pass
         elif isinstance(command, Stop):
             log.info("rank %d stopping", rank)
+            channel.barrier()  # rank 0 leaves only once every rank has the Stop
             return
         else:
             raise TypeError(f"unknown command {command!r}")
