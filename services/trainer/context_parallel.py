@@ -175,11 +175,16 @@ class LocalRows:
 
 
 def local_rows(input_ids: Tensor, group: Any = None) -> LocalRows:
-    """Pad rows [B, S] to a multiple of 2 * CP and keep this CP rank's two chunks."""
+    """Pad rows [B, S] to a multiple of 2 * CP * TP and keep this CP rank's two chunks
+    (sequence parallelism splits each rank's chunks over TP; without it the few extra pad
+    tokens change nothing)."""
+    from megatron.core import parallel_state as ps
+
     group = group or _cp_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     batch, seq = input_ids.shape
-    padded_len = -(-seq // (2 * size)) * (2 * size)
+    padded_len = -(-seq // (2 * size * tp)) * (2 * size * tp)
     padded = input_ids.new_zeros((batch, padded_len))
     padded[:, :seq] = input_ids
     targets = torch.zeros_like(padded)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from services.common.errors import InvalidRequest
 from services.trainer import weight_map
 from services.trainer.model import ModelShape
+from services.trainer.pipeline_layout import owner_stage, stage_layer_counts
 from services.trainer.weight_map import TensorRule, tensor_rules
 
 
@@ -149,10 +150,10 @@ def load_hf_checkpoint(model: Any, shape: ModelShape, path: str | Path) -> None:
     load_hf_weights(model, shape, SafetensorsFolder(path))
 
 
-def _owner_stage(rule: TensorRule, shape: ModelShape, pp_size: int) -> int:
+def _owner_stage(rule: TensorRule, stage_layers: list[int]) -> int:
     if rule.layer is not None:
-        return rule.layer // (shape.num_layers // pp_size)
-    return 0 if rule.mcore.startswith("embedding.") else pp_size - 1
+        return owner_stage(rule.layer, stage_layers)
+    return 0 if rule.mcore.startswith("embedding.") else len(stage_layers) - 1
 
 
 def _local_params(model: Any, shape: ModelShape, g: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -166,10 +167,10 @@ def _local_params(model: Any, shape: ModelShape, g: dict[str, Any]) -> dict[str,
 
 def _full_tensor(
     rule: TensorRule, shape: ModelShape, local: dict[str, torch.Tensor], g: dict[str, Any],
-    like: torch.Tensor,
+    like: torch.Tensor, stage_layers: list[int],
 ) -> torch.Tensor:
     """Gather one full megatron tensor onto every rank (EP, then TP, then PP)."""
-    owner = _owner_stage(rule, shape, g["pp_size"])
+    owner = _owner_stage(rule, stage_layers)
     full: torch.Tensor | None = None
     if g["pp_rank"] == owner:
         tensor = local.get(rule.mcore)
@@ -203,8 +204,9 @@ def iter_hf_tensors(
     g = _groups()
     local = _local_params(model, shape, g)
     like = next(iter(local.values()))
+    stages = stage_layer_counts(model)
     for rule in tensor_rules(shape):
-        full = _full_tensor(rule, shape, local, g, like)
+        full = _full_tensor(rule, shape, local, g, like, stages)
         for name, tensor in zip(rule.hf, weight_map.unfuse(rule, shape, full), strict=True):
             yield name, tensor if dtype is None else tensor.to(dtype)
 

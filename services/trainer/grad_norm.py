@@ -9,7 +9,10 @@ A rank holds three kinds of parameters, and each kind is made whole over its own
   are replicated only over the expert-data-parallel group, so they are summed there;
 - with pipeline parallelism and tied embeddings the last stage keeps a copy of the word
   embeddings (`shared_embedding`): first and last stage sum that gradient over megatron's
-  embedding group, so both copies take the same step.
+  embedding group, so both copies take the same step;
+- replicated parameters that each TP rank trains on its own tokens or heads only (norms and
+  MoE routers under sequence parallelism, per-head q/k norms; sequence_parallel.py) have
+  their gradients summed over TP first.
 
 The global norm counts every distinct parameter once: dense shards over TP x PP (replicated
 norms on TP rank 0 only, the last stage's embedding copy not at all) and expert shards over
@@ -42,9 +45,13 @@ def all_reduce_data_parallel_grads(params: Sequence[torch.Tensor]) -> None:
     e.g. on a rank that trained no micro-batch, contributes zeros)."""
     from megatron.core import parallel_state as ps
 
+    from services.trainer.sequence_parallel import grads_partial_over_tp
+
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    _sum([p.grad for p in params if grads_partial_over_tp(p)],  # type: ignore[misc]
+         ps.get_tensor_model_parallel_group())  # fmt: skip
     if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
         _sum([p.grad for p in params if getattr(p, "shared_embedding", False)],  # type: ignore[misc]
              ps.get_embedding_group())  # fmt: skip

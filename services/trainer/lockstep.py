@@ -1,14 +1,17 @@
 """Micro-batches in lockstep across data-parallel ranks, for expert parallelism.
 
 With expert parallelism every forward and backward of an MoE layer is a collective over the
-expert-parallel group (drawn from the data-parallel ranks): each rank gathers the tokens of
-the others, and megatron's allgather dispatcher needs the same number of tokens from each. So
-every data-parallel rank must run as many micro-batches as the others, and the k-th of each
-rank must have the same shape. `lockstep_share` deals the micro-batches round-robin like plain
-data parallelism, pads each rank's k-th micro-batch to the largest shape among the ranks' k-th
-(right and below, loss mask 0), and gives a rank that has none left a dummy of that shape with
-no loss tokens. Padding changes no real token's log-prob (causal attention, per-token
-routing without capacity limits) and adds no gradient (zero loss weight).
+expert-parallel group (expert TP is 1, so megatron draws it from the TP x CP x DP ranks of a
+pipeline stage): each rank gathers the tokens of the others, and megatron's allgather
+dispatcher needs the same number of tokens from each. The TP and CP ranks of one
+data-parallel replica already run the same micro-batches with equal token counts (CP cuts a
+row into equal chunks, sequence parallelism splits each evenly over TP, both after padding).
+So every data-parallel rank must run as many micro-batches as the others, and the k-th of
+each rank must have the same shape. `lockstep_share` deals the micro-batches round-robin like
+plain data parallelism, pads each rank's k-th micro-batch to the largest shape among the
+ranks' k-th (right and below, loss mask 0), and gives a rank that has none left a dummy of
+that shape with no loss tokens. Padding changes no real token's log-prob (causal attention,
+per-token routing without capacity limits) and adds no gradient (zero loss weight).
 Used by step.DataShard.
 """
 

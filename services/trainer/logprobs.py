@@ -8,7 +8,8 @@ sequences plus their boundaries) are unpacked to right-padded rows, because plai
 megatron numbers positions 0..S-1 per row and the local attention has no packed mode.
 Gradients flow, so the loss can use these directly. With pipeline parallelism,
 `pipelined_token_logprobs` runs megatron's forward-only schedule across the stages (a training
-step's schedule calls `token_logprobs_from_logits` on the last stage the same way).
+step's schedule runs `stage_forward` and `stage_logprobs` the same way, which under context
+parallelism run each CP rank's chunks, context_parallel.py).
 """
 
 from __future__ import annotations
@@ -36,10 +37,43 @@ def token_logprobs_from_logits(
 
 
 def forward_logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
-    """Vocab-parallel logits [B, S, V/TP] of right-padded rows (causal attention, no mask)."""
+    """Vocab-parallel logits [B, S, V/TP] of right-padded rows (causal attention, no mask).
+    Under sequence parallelism the rows run padded to a multiple of TP and the logits are
+    cut back to S; a pipeline stage before the last returns its padded activations."""
+    from services.trainer.sequence_parallel import pad_rows, sequence_multiple
+
     batch, seq = input_ids.shape
-    position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, -1)
-    return model(input_ids, position_ids, None)
+    padded = pad_rows(input_ids, sequence_multiple(model))
+    position_ids = torch.arange(padded.shape[1], device=input_ids.device)
+    output = model(padded, position_ids.unsqueeze(0).expand(batch, -1), None)
+    if padded.shape[1] != seq and getattr(model, "post_process", True):
+        output = output[:, :seq]
+    return output
+
+
+def stage_forward(stage_model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A pipeline stage's forward of right-padded rows `input_ids` [B, S] and the context
+    parallel rows it ran on (context_parallel.local_rows; None without CP), for
+    `stage_logprobs` on the last stage."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() == 1:
+        return forward_logits(stage_model, input_ids), None
+    from services.trainer.context_parallel import local_rows
+
+    rows = local_rows(input_ids)
+    return stage_model(rows.input_ids, rows.position_ids, None), rows
+
+
+def stage_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, rows: Any, temperature: float = 1.0
+) -> torch.Tensor:
+    """Whole-row log-probs [B, S] from the last stage's logits of `stage_forward`."""
+    if rows is None:
+        return token_logprobs_from_logits(logits, input_ids, temperature)
+    from services.trainer.context_parallel import logprobs_from_local_logits
+
+    return logprobs_from_local_logits(logits, rows, temperature)
 
 
 def token_logprobs(model: Any, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -79,22 +113,26 @@ def pipelined_token_logprobs(
 ) -> torch.Tensor | None:
     """Log-probs [B, S] of right-padded rows through megatron's forward-only pipeline
     schedule (any PP size; B must be a multiple of `micro_batch_size`). Every stage calls it;
-    the last stage gets the log-probs, the others None."""
+    the last stage gets the log-probs, the others None. Under CP each stage runs its CP
+    rank's chunks (`stage_forward`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     batch, seq = input_ids.shape
     if batch % micro_batch_size:
         raise ValueError(f"batch of {batch} rows is not a multiple of {micro_batch_size}")
     micro_batches = list(input_ids.split(micro_batch_size))
+    get_model_config(model).variable_seq_lengths = True  # CP stages pass their local length
 
     def forward_step(data: Any, stage_model: Any) -> tuple[torch.Tensor, Any]:
-        rows = next(data)
+        ids = next(data)
+        output, rows = stage_forward(stage_model, ids)
 
         def collect(output: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
-            return token_logprobs_from_logits(output, rows, temperature)
+            return stage_logprobs(output, ids, rows, temperature)
 
-        return forward_logits(stage_model, rows), collect
+        return output, collect
 
     with torch.no_grad():
         collected = get_forward_backward_func()(

@@ -16,6 +16,8 @@ from typing import Any
 
 from services.common.errors import ConfigError
 from services.trainer.config import TrainerConfig
+from services.trainer.model_config import ParallelConfig
+from services.trainer.optimizer_shard import CombinedOptimizer
 from services.trainer.optimizer_stream import MasterAdam, megatron_no_decay
 from services.trainer.policy import FrozenModel, ModelPolicy
 
@@ -49,6 +51,16 @@ class BuiltPolicy:
         return next(self.model.parameters()).device
 
 
+def check_moe_layout(shape: Any, parallel: ParallelConfig) -> None:
+    """Raise ConfigError where megatron-core cannot train `shape` (a model.ModelShape) in the
+    `parallel` layout: its MoE layer trains under TP only with sequence parallelism."""
+    if shape.is_moe and parallel.tensor_parallel > 1 and not parallel.sequence_parallel:
+        raise ConfigError(
+            f"MoE models with tensor_parallel={parallel.tensor_parallel} need"
+            " trainer.parallel.sequence_parallel = true (megatron-core trains MoE layers under"
+            " TP only with sequence parallelism); turn it on, or set tensor_parallel = 1"
+        )
+
 
 def build_model(
     config: TrainerConfig, ranks: RankAddress | None = None
@@ -78,20 +90,52 @@ def build_model(
             seed=config.model.seed,
         )
     shape = ModelShape.from_hf(load_hf_config(config.model.hf_path))
-    if shape.is_moe and layout.tp_size > 1:
-        raise ConfigError(
-            "MoE models train with tensor_parallel = 1 only (megatron-core trains MoE layers"
-            " under TP only with sequence parallelism, which the local layer spec lacks);"
-            " spread them with expert_parallel and data_parallel instead"
-        )
-    model = build_gpt_model(shape, dtype=config.model.dtype)
+    check_moe_layout(shape, config.parallel)
+    model = build_gpt_model(shape, dtype=config.model.dtype,
+                            num_layers_per_stage=config.parallel.num_layers_per_stage,
+                            sequence_parallel=config.parallel.sequence_parallel)
     load_hf_checkpoint(model, shape, config.model.hf_path)
     return model, shape, layout, resolve_backend(config.parallel)
 
 
+def build_optimizer(
+    config: TrainerConfig, named: list[tuple[str, Any]], state_dir: str | None, distributed: bool
+) -> MasterAdam | CombinedOptimizer:
+    """MasterAdam over `named` parameters; with `optimizer.shard_state` and replicas, dense
+    parameters split their state over DP x CP and expert parameters over the expert-DP group."""
+    import torch
+
+    opt = config.optimizer
+
+    def adam(part: list[tuple[str, Any]], folder: str | None, shard: Any) -> MasterAdam:
+        return MasterAdam(
+            [p for _, p in part], lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+            weight_decay=opt.weight_decay, state_dir=folder, bucket_mb=opt.bucket_mb,
+            moments_dtype=getattr(torch, opt.moments_dtype), no_decay=megatron_no_decay(part),
+            shard=shard,
+        )  # fmt: skip
+
+    if not (distributed and opt.shard_state):
+        return adam(named, state_dir, None)
+    from megatron.core import parallel_state as ps
+
+    from services.trainer.grad_norm import is_expert_param
+    from services.trainer.optimizer_shard import state_shard
+
+    dense = [(n, p) for n, p in named if not is_expert_param(p)]
+    expert = [(n, p) for n, p in named if is_expert_param(p)]
+    dense_shard = state_shard(ps.get_data_parallel_group(with_context_parallel=True))
+    if not expert:
+        return adam(dense, state_dir, dense_shard)
+    sub = (lambda name: str(Path(state_dir) / name)) if state_dir else (lambda name: None)
+    return CombinedOptimizer({
+        "dense": adam(dense, sub("dense"), dense_shard),
+        "expert": adam(expert, sub("expert"), state_shard(ps.get_expert_data_parallel_group())),
+    })  # fmt: skip
+
+
 def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> BuiltPolicy:
     """The megatron policy with its optimizer, as configured."""
-    import torch
 
     from services.trainer.grad_norm import (
         all_reduce_data_parallel_grads,
@@ -105,17 +149,7 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
     if state_dir is not None and layout.world_size > 1:
         state_dir = str(Path(state_dir) / f"rank{layout.rank:05d}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = MasterAdam(
-        [p for _, p in named],
-        lr=opt.lr,
-        betas=(opt.beta1, opt.beta2),
-        eps=opt.eps,
-        weight_decay=opt.weight_decay,
-        state_dir=state_dir,
-        bucket_mb=opt.bucket_mb,
-        moments_dtype=getattr(torch, opt.moments_dtype),
-        no_decay=megatron_no_decay(named),
-    )
+    optimizer = build_optimizer(config, named, state_dir, layout.world_size > 1)
     clip = clip_model_parallel_grad_norm if layout.world_size > 1 else None
     grad_sync = all_reduce_data_parallel_grads if layout.world_size > 1 else None
     logprob_fn = token_logprobs
@@ -129,7 +163,9 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
         from services.trainer.convert import load_hf_checkpoint
         from services.trainer.model import build_gpt_model
 
-        ref_model = build_gpt_model(shape, dtype=config.model.dtype)
+        ref_model = build_gpt_model(shape, dtype=config.model.dtype,
+                                    num_layers_per_stage=config.parallel.num_layers_per_stage,
+                                    sequence_parallel=config.parallel.sequence_parallel)
         load_hf_checkpoint(ref_model, shape, config.loss.reference_hf_path or config.model.hf_path)
         reference = FrozenModel(ref_model, logprob_fn)
     shard = None

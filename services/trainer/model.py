@@ -114,9 +114,15 @@ def transformer_config(
     cp: int = 1,
     ep: int = 1,
     dtype: str = "float32",
+    num_layers_per_stage: list[int] | None = None,
+    sequence_parallel: bool = False,
 ) -> Any:
-    """Megatron's TransformerConfig for `shape` split over the given parallel sizes."""
+    """Megatron's TransformerConfig for `shape` split over the given parallel sizes (the
+    pipeline stages holding `num_layers_per_stage` layers each, or an even split; sequence
+    parallelism where asked for and TP > 1)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from services.trainer.pipeline_layout import megatron_layout, split_layers
 
     if shape.num_kv_heads % tp:
         raise ConfigError(
@@ -124,8 +130,7 @@ def transformer_config(
         )
     if shape.vocab_size % tp:
         raise ConfigError(f"tensor_parallel={tp} must divide the vocabulary ({shape.vocab_size})")
-    if shape.num_layers % pp:
-        raise ConfigError(f"pipeline_parallel={pp} must divide the {shape.num_layers} layers")
+    stage_layout = megatron_layout(split_layers(shape.num_layers, pp, num_layers_per_stage))
     if shape.is_moe and shape.num_experts % ep:
         raise ConfigError(f"expert_parallel={ep} must divide the {shape.num_experts} experts")
     torch_dtype = _DTYPES[dtype]
@@ -176,9 +181,10 @@ def transformer_config(
         cross_entropy_loss_fusion=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        pipeline_model_parallel_layout=stage_layout,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=torch_dtype,
         pipeline_dtype=torch_dtype,
         bf16=torch_dtype is torch.bfloat16,
@@ -197,12 +203,20 @@ def _allow_moe_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt_model(shape: ModelShape, *, dtype: str = "float32") -> Any:
-    """This rank's megatron GPTModel for `shape`, in the layout `init_parallel` set up."""
+def build_gpt_model(
+    shape: ModelShape, *, dtype: str = "float32", num_layers_per_stage: list[int] | None = None,
+    sequence_parallel: bool = False,
+) -> Any:
+    """This rank's megatron GPTModel for `shape`, in the layout `init_parallel` set up (and
+    `num_layers_per_stage`, parallel.num_layers_per_stage)."""
     if shape.is_mla:
         from services.trainer.model_mla import build_mla_model
 
-        return build_mla_model(shape, dtype=dtype)  # type: ignore[arg-type]
+        return build_mla_model(
+            shape,  # type: ignore[arg-type]
+            dtype=dtype, num_layers_per_stage=num_layers_per_stage,
+            sequence_parallel=sequence_parallel,
+        )
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -214,6 +228,8 @@ def build_gpt_model(shape: ModelShape, *, dtype: str = "float32") -> Any:
         cp=ps.get_context_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(),
         dtype=dtype,
+        num_layers_per_stage=num_layers_per_stage,
+        sequence_parallel=sequence_parallel,
     )
     spec = get_gpt_layer_local_spec(
         num_experts=shape.num_experts or None,
@@ -225,6 +241,10 @@ def build_gpt_model(shape: ModelShape, *, dtype: str = "float32") -> Any:
         from services.trainer.context_parallel import use_context_parallel_attention
 
         spec = use_context_parallel_attention(spec)
+    if config.tensor_model_parallel_size > 1:
+        from services.trainer.sequence_parallel import use_tp_norms
+
+        spec = use_tp_norms(spec, config)
     if shape.is_moe:
         _allow_moe_without_te()
     rope_scaling = shape.rope_scaling_factor is not None

@@ -28,10 +28,22 @@ class ParallelConfig(StrictModel):
     pipeline_parallel: int = Field(1, ge=1, description="pipeline-parallel size (PP)")
     context_parallel: int = Field(1, ge=1, description="context-parallel size (CP)")
     expert_parallel: int = Field(
-        1, ge=1, description="expert-parallel size (EP, MoE only; must divide DP x CP)"
+        1, ge=1,
+        description="expert-parallel size (EP, MoE only; expert TP is 1, so EP takes its ranks"
+        " from TP x CP x DP and must divide it)",
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="split the activations between attention and MLP along the sequence over"
+        " the TP ranks (needs tensor_parallel > 1; MoE models with TP > 1 need it)",
     )
     data_parallel: int | None = Field(
         None, ge=1, description="expected DP size; checked against world size / (TP*PP*CP)"
+    )
+    num_layers_per_stage: list[int] | None = Field(
+        None,
+        description="each pipeline stage's number of decoder layers, first stage first (one"
+        " entry per stage, summing to the model's layers; unset: an even split)",
     )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="torch.distributed backend (auto: nccl with CUDA, else gloo)"
@@ -43,6 +55,16 @@ class ParallelConfig(StrictModel):
         "or torchrun starts every rank (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS, "
         "MASTER_ADDR, MASTER_PORT), which lets the trainer span nodes",
     )
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> ParallelConfig:
+        stages = self.num_layers_per_stage
+        if stages is not None and (len(stages) != self.pipeline_parallel or min(stages) < 1):
+            raise ValueError(
+                f"num_layers_per_stage = {stages} needs one positive layer count per pipeline"
+                f" stage (pipeline_parallel = {self.pipeline_parallel})"
+            )
+        return self
 
     @property
     def model_parallel_size(self) -> int:

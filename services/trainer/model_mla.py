@@ -3,20 +3,20 @@ sigmoid expert routing with an expert bias, dense first layers.
 
 `MLAShape.from_hf` reads the Hugging Face config; `build_mla_model` builds this rank's GPTModel
 with megatron's local MLA layer spec (model.py's `ModelShape.from_hf` and `build_gpt_model`
-hand these families over to it). Two parts of GLM-5 are carried, not run:
+hand these families over to it). Attention is mla_attention.py's core attention (causal, any
+context-parallel size); GLM-5's DeepSeek Sparse Attention (top-k keys per query from frozen
+indexers, shared across layers) is sparse_attention.py. Megatron's experimental DSA module
+does not fit: it needs a CUDA Hadamard kernel, gives every layer its own indexer (GLM-5 shares
+one top-k over several layers) and places the indexer's rope differently. One part of GLM-5 is
+carried, not run:
 
-- The DSA indexer (DeepSeek Sparse Attention). Attention here is dense MLA, which is exactly
-  what the indexer computes while a sequence is no longer than `index_topk` (every earlier
-  token is selected). Longer rows raise ConfigError at forward time. Megatron's experimental
-  DSA module does not fit: it needs a CUDA Hadamard kernel, gives every layer its own
-  indexer (GLM-5 shares one top-k over several layers) and has no packed-sequence mode.
 - The MTP (next-token prediction) layer, stored by Hugging Face as layer `num_hidden_layers`.
   It is not trained (no MTP loss); its weights ride along unchanged so a weight sync carries
   a complete draft layer. Its `embed_tokens` and `shared_head.head` are left out: engines
   share the main model's embedding and head with the draft layer.
 
-Carried tensors are frozen buffers (checkpointed with the model, never given to the
-optimizer); weight_map_mla.py names them.
+Carried tensors and the indexers' weights are frozen buffers (checkpointed with the model,
+never given to the optimizer); weight_map_mla.py names them.
 """
 
 from __future__ import annotations
@@ -124,13 +124,14 @@ class MLAShape(ModelShape):
 
 
 def mla_transformer_config(shape: MLAShape, *, tp: int, pp: int, cp: int, ep: int,
-                           dtype: str) -> Any:
+                           dtype: str, num_layers_per_stage: list[int] | None = None,
+                           sequence_parallel: bool = False) -> Any:
     """Megatron's MLATransformerConfig: model.py's config plus the MLA and router fields."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    if cp > 1:
-        raise ConfigError("context_parallel > 1 is not supported for MLA models")
-    base = transformer_config(shape, tp=tp, pp=pp, cp=cp, ep=ep, dtype=dtype)
+    base = transformer_config(shape, tp=tp, pp=pp, cp=cp, ep=ep, dtype=dtype,
+                              num_layers_per_stage=num_layers_per_stage,
+                              sequence_parallel=sequence_parallel)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     groups = shape.moe_num_groups > 1
     fields.update(
@@ -159,7 +160,9 @@ def mla_transformer_config(shape: MLAShape, *, tp: int, pp: int, cp: int, ep: in
     return MLATransformerConfig(**fields)
 
 
-def build_mla_model(shape: MLAShape, *, dtype: str = "float32") -> Any:
+def build_mla_model(shape: MLAShape, *, dtype: str = "float32",
+                    num_layers_per_stage: list[int] | None = None,
+                    sequence_parallel: bool = False) -> Any:
     """This rank's megatron GPTModel for an MLA `shape`, with the carried DSA/MTP buffers."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -167,8 +170,10 @@ def build_mla_model(shape: MLAShape, *, dtype: str = "float32") -> Any:
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
     )
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     from services.trainer import model as model_module
+    from services.trainer.sparse_attention import attach_sharing, use_mla_attention
     from services.trainer.weight_map_mla import carried_rules
 
     config = mla_transformer_config(
@@ -178,6 +183,8 @@ def build_mla_model(shape: MLAShape, *, dtype: str = "float32") -> Any:
         cp=ps.get_context_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(),
         dtype=dtype,
+        num_layers_per_stage=num_layers_per_stage,
+        sequence_parallel=sequence_parallel,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm")
@@ -185,8 +192,11 @@ def build_mla_model(shape: MLAShape, *, dtype: str = "float32") -> Any:
     dense = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True,
                                      normalization="RMSNorm")
     spec.layer_norm = dense.submodules.input_layernorm
-    for layer_spec in spec.layer_specs:
-        layer_spec.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+    use_mla_attention(spec, shape)
+    if config.tensor_model_parallel_size > 1:
+        from services.trainer.sequence_parallel import use_tp_norms
+
+        spec = use_tp_norms(spec, config)
     model_module._allow_moe_without_te()
     _allow_mla_without_te()
     model = GPTModel(
@@ -202,15 +212,19 @@ def build_mla_model(shape: MLAShape, *, dtype: str = "float32") -> Any:
         rotary_base=shape.rope_theta,  # type: ignore[arg-type]
     )
     for module in model.modules():
-        if type(module).__name__ == "MLASelfAttention":
+        if isinstance(module, MLASelfAttention):
             for norm in (getattr(module, "q_layernorm", None), module.kv_layernorm):
                 if norm is not None and hasattr(norm, "eps"):
                     norm.eps = _QK_NORM_EPS
+    if config.tensor_model_parallel_size > 1:
+        from services.trainer.sequence_parallel import use_latent_kv_projection
+
+        use_latent_kv_projection(model)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
     attach_carried(model, shape, carried_rules(shape), config.params_dtype, device)
     if shape.index_topk is not None:
-        model.register_forward_pre_hook(_dsa_length_check(shape.index_topk), with_kwargs=True)
+        attach_sharing(model, shape)
     if cuda:
         model.cuda(torch.cuda.current_device())
     return model
@@ -223,21 +237,6 @@ def _allow_mla_without_te() -> None:
 
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
-
-
-def _mla_core_attention() -> type:
-    """Megatron's local DotProductAttention with a value head size other than the key's
-    (0.16's MLA passes k_channels/v_channels, which only the TransformerEngine version takes)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class MLADotProductAttention(DotProductAttention):
-        def __init__(self, *args: Any, k_channels: int | None = None,
-                     v_channels: int | None = None, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            if v_channels is not None:
-                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
-
-    return MLADotProductAttention
 
 
 def attach_carried(model: Any, shape: MLAShape, rules: list[Any], dtype: torch.dtype,
@@ -276,16 +275,3 @@ def attach_carried(model: Any, shape: MLAShape, rules: list[Any], dtype: torch.d
             owner = child
         local = shard(rule, torch.empty(rule.full_shape, device="meta"), tp_rank, tp_size)
         owner.register_buffer(parts[-1], torch.zeros(local.shape, dtype=dtype, device=device))
-
-
-def _dsa_length_check(index_topk: int) -> Any:
-    def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        input_ids = args[0] if args else kwargs.get("input_ids")
-        if input_ids is not None and input_ids.shape[-1] > index_topk:
-            raise ConfigError(
-                f"a row of {input_ids.shape[-1]} tokens is longer than the DSA indexer's "
-                f"top-k ({index_topk}): the trainer runs dense MLA, which equals DeepSeek Sparse "
-                f"Attention only up to index_topk tokens; keep sequences within {index_topk}"
-            )
-
-    return check

@@ -53,6 +53,40 @@ def resolve_backend(config: ParallelConfig) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def check_sizes(config: ParallelConfig, world_size: int) -> int:
+    """The DP size of `world_size` ranks in `config`'s layout; raises ConfigError, naming the
+    fields, for layouts megatron cannot build. Expert TP is 1, so megatron draws EP from the
+    TP x CP x DP ranks of each pipeline stage."""
+    if world_size % config.model_parallel_size:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by TP*PP*CP = {config.model_parallel_size};"
+            " change the parallel sizes or the number of trainer ranks"
+        )
+    dp_size = world_size // config.model_parallel_size
+    if config.data_parallel is not None and config.data_parallel != dp_size:
+        raise ConfigError(
+            f"data_parallel={config.data_parallel} but world size {world_size} / TP*PP*CP gives"
+            f" {dp_size}; leave data_parallel unset or launch {config.data_parallel} x"
+            f" {config.model_parallel_size} ranks"
+        )
+    tp, cp, ep = config.tensor_parallel, config.context_parallel, config.expert_parallel
+    if (tp * cp * dp_size) % ep:
+        raise ConfigError(
+            f"expert_parallel={ep} must divide tensor_parallel x context_parallel x"
+            f" data_parallel = {tp} x {cp} x {dp_size} (expert TP is 1, so EP takes its ranks"
+            " from those); change expert_parallel or data_parallel"
+        )
+    if config.sequence_parallel and tp == 1:
+        raise ConfigError("sequence_parallel needs tensor_parallel > 1; turn it off or raise"
+                          " tensor_parallel")
+    if ep > 1 and tp > 1 and not config.sequence_parallel:
+        raise ConfigError(
+            f"expert_parallel={ep} with tensor_parallel={tp} needs sequence_parallel = true"
+            " (megatron-core trains MoE layers under TP only with sequence parallelism)"
+        )
+    return dp_size
+
+
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
@@ -73,23 +107,7 @@ def init_parallel(
 
     rank = _env_int("RANK", 0) if rank is None else rank
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
-    if world_size % config.model_parallel_size:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by TP*PP*CP = {config.model_parallel_size};"
-            " change the parallel sizes or the number of trainer ranks"
-        )
-    dp_size = world_size // config.model_parallel_size
-    if config.data_parallel is not None and config.data_parallel != dp_size:
-        raise ConfigError(
-            f"data_parallel={config.data_parallel} but world size {world_size} / TP*PP*CP gives"
-            f" {dp_size}; leave data_parallel unset or launch {config.data_parallel} x"
-            f" {config.model_parallel_size} ranks"
-        )
-    if (dp_size * config.context_parallel) % config.expert_parallel:
-        raise ConfigError(
-            f"expert_parallel={config.expert_parallel} must divide DP*CP = "
-            f"{dp_size * config.context_parallel}"
-        )
+    check_sizes(config, world_size)
     backend = resolve_backend(config)
     apply_cpu_shim()
     if backend == "nccl":
@@ -111,6 +129,7 @@ def init_parallel(
         pipeline_model_parallel_size=config.pipeline_parallel,
         context_parallel_size=config.context_parallel,
         expert_model_parallel_size=config.expert_parallel,
+        expert_tensor_parallel_size=1,  # as model.transformer_config and the converters assume
         distributed_timeout_minutes=max(1, int(config.init_timeout_s // 60)),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -10,7 +10,10 @@ summed with the first stage's). Each minibatch runs megatron's forward-backward 
 once. Micro-batches differ in [B, S], so the stages exchange activation shapes first
 (`variable_seq_lengths`), and the loss function returns megatron's 3-tuple under
 `calculate_per_token_loss`, so the schedule neither divides the already weighted loss by its
-token count nor by the number of micro-batches. The loss and its metrics exist on the last
+token count nor by the number of micro-batches. Under context parallelism every stage runs
+its CP rank's chunks of the rows and the last stage all-gathers the log-probs to whole rows
+(logprobs.stage_forward / stage_logprobs), so the loss is the one of CP = 1; the activations
+passed between stages are [2 * chunk, B, H]. The loss and its metrics exist on the last
 stage only: they are summed over the data-parallel group there and broadcast over the
 pipeline group, so every rank (rank 0, the service, is on the first stage) returns what a
 one-rank trainer reports.
@@ -28,15 +31,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from services.trainer.batch import MicroBatch, RolloutBatch
-from services.trainer.logprobs import forward_logits, token_logprobs_from_logits
+from services.trainer.logprobs import stage_forward, stage_logprobs
 from services.trainer.loss import LossSettings, policy_loss
 from services.trainer.model_config import ParallelConfig
 from services.trainer.policy import LogprobSource, Policy
 from services.trainer.step import DataShard, _split
 from services.trainer.step import train_step as one_stage_train_step
 
-#: What the last stage does with one micro-batch's logits (megatron's loss_func result).
-OnLogits = Callable[[MicroBatch, Tensor], Any]
+#: What the last stage does with one micro-batch's whole-row log-probs [B, S] (megatron's
+#: loss_func result).
+OnLogprobs = Callable[[MicroBatch, Tensor], Any]
 #: step.train_step's signature (policy, batch, settings, num_minibatches, reference, shard).
 TrainStepFn = Callable[
     [Policy, RolloutBatch, LossSettings, int, LogprobSource | None, DataShard | None],
@@ -52,10 +56,11 @@ def _megatron_model(source: object) -> Any:
 
 
 def run_schedule(
-    model: Any, micro_batches: list[MicroBatch], on_logits: OnLogits, forward_only: bool
+    model: Any, micro_batches: list[MicroBatch], on_logprobs: OnLogprobs, forward_only: bool
 ) -> list[Any]:
     """Run megatron's pipeline schedule over `micro_batches` (every stage calls it with the
-    same list); the last stage returns what `on_logits` gave for each, the others []."""
+    same list; under CP each runs its chunks of the rows); the last stage returns what
+    `on_logprobs` gave for each, the others []."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
@@ -65,11 +70,12 @@ def run_schedule(
 
     def forward_step(data: Any, stage_model: Any) -> tuple[Tensor, Any]:
         mb = next(data)
+        output, rows = stage_forward(stage_model, mb.input_ids)
 
         def loss_func(logits: Tensor, non_loss_data: bool = False) -> Any:
-            return on_logits(mb, logits)
+            return on_logprobs(mb, stage_logprobs(logits, mb.input_ids, rows))
 
-        return forward_logits(stage_model, mb.input_ids), loss_func
+        return output, loss_func
 
     first = micro_batches[0].input_ids
     out = get_forward_backward_func()(
@@ -93,8 +99,7 @@ def pipelined_logprobs(model: Any, micro_batches: list[MicroBatch]) -> dict[int,
     with torch.no_grad():
         out = run_schedule(
             model, micro_batches,
-            lambda mb, logits: token_logprobs_from_logits(logits, mb.input_ids),
-            forward_only=True,
+            lambda mb, logprobs: logprobs, forward_only=True,
         )  # fmt: skip
     return {id(mb): lp.detach() for mb, lp in zip(micro_batches, out, strict=True)} if out else {}
 
@@ -134,10 +139,10 @@ def train_step(
     ref = pipelined_logprobs(_megatron_model(reference), mine) if reference is not None else {}
     sums: dict[str, float] = {}
 
-    def weighted_loss(mb: MicroBatch, logits: Tensor, tokens: int) -> Any:
+    def weighted_loss(mb: MicroBatch, logprobs: Tensor, tokens: int) -> Any:
         n = mb.num_loss_tokens
         loss, metrics = policy_loss(
-            token_logprobs_from_logits(logits, mb.input_ids), old[id(mb)], mb.rollout_logprobs,
+            logprobs, old[id(mb)], mb.rollout_logprobs,
             mb.advantages, mb.loss_mask, settings, ref.get(id(mb)),
         )  # fmt: skip
         metrics["loss"] = loss.detach()

@@ -22,9 +22,9 @@ from typing import Any
 import torch.distributed as dist
 
 from services.common import process
-from services.common.errors import ConfigError
 from services.trainer.batch import MicroBatch
 from services.trainer.config import TrainerConfig
+from services.trainer.parallel import check_sizes
 from services.trainer.policy import ModelPolicy
 
 _CONTROL_TIMEOUT = timedelta(days=365)
@@ -60,7 +60,7 @@ class Sync:
 
 @dataclass
 class Stop:
-    """Leave the command loop and exit."""
+    """Leave the command loop and exit (after a barrier, so rank 0 outlives the delivery)."""
 
 
 Command = Step | Save | Load | Sync | Stop
@@ -69,17 +69,9 @@ Command = Step | Save | Load | Sync | Stop
 def service_world_size(config: TrainerConfig) -> int:
     """Ranks the trainer service runs; raises ConfigError for layouts it cannot train yet."""
     p = config.parallel
-    if p.pipeline_parallel > 1 and p.context_parallel > 1:
-        raise ConfigError(
-            "pipeline_parallel > 1 with context_parallel > 1 is not supported yet; set one of"
-            " them to 1"
-        )
-    if (p.data_parallel or 1) * p.context_parallel % p.expert_parallel:
-        raise ConfigError(
-            f"expert_parallel={p.expert_parallel} takes its ranks from the data-parallel ones;"
-            " set data_parallel to a multiple of it"
-        )
-    return p.tensor_parallel * p.pipeline_parallel * p.context_parallel * (p.data_parallel or 1)
+    world_size = p.model_parallel_size * (p.data_parallel or 1)
+    check_sizes(p, world_size)
+    return world_size
 
 
 def shard_dir(directory: str | Path, rank: int) -> Path:

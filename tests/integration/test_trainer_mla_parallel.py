@@ -1,5 +1,7 @@
 """GLM-5 (MLA, sigmoid router, DSA indexers and an MTP layer) across two gloo ranks: parity
-with Hugging Face and round trips at TP=2, EP=2 and PP=2."""
+with Hugging Face and round trips at TP=2 (also with sequence parallelism), EP=2, PP=2 and
+CP=2, on rows longer than the DSA indexer's top-k (so sparse attention and layers sharing the
+top-k run); under CP the attention gradients, summed over the ranks, equal Hugging Face's."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ def mla_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]:
 
     from services.testing.hf_models import random_hf_model, reference_logprobs
     from services.trainer import weight_map
+    from services.trainer.context_parallel import cp_token_logprobs
     from services.trainer.convert import iter_hf_tensors, load_hf_weights
     from services.trainer.logprobs import pipelined_token_logprobs, token_logprobs
     from services.trainer.model import ModelShape, build_gpt_model
@@ -28,14 +31,17 @@ def mla_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]:
     # the converters and config assume expert TP 1.
     layouts = {
         "tp2": (ParallelConfig(tensor_parallel=2), 4),
+        "sp2": (ParallelConfig(tensor_parallel=2, sequence_parallel=True), 4),
         "ep2": (ParallelConfig(expert_parallel=2), 1),
         "pp2": (ParallelConfig(pipeline_parallel=2), 1),
+        "cp2": (ParallelConfig(context_parallel=2), 1),
     }
     for label, (parallel, num_dense) in layouts.items():
         layout = init_parallel(parallel, rank=rank, world_size=world_size,
                                master_port=master_port)
         hf = random_hf_model("glm_moe_dsa", num_layers=4, num_kv_heads=4,
-                             num_nextn_predict_layers=1, first_k_dense_replace=num_dense)
+                             num_nextn_predict_layers=1, first_k_dense_replace=num_dense,
+                             index_topk=6, index_n_heads=8)
         shape = ModelShape.from_hf(hf.config)
         original = weight_map.checkpoint_state(shape, hf.state_dict())
         gen = torch.Generator().manual_seed(7)
@@ -43,7 +49,7 @@ def mla_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]:
             if rule.mcore.startswith(MTP_PREFIX):  # transformers does not build the MTP layer
                 full = torch.randn(rule.full_shape, generator=gen)
                 original.update(zip(rule.hf, weight_map.unfuse(rule, shape, full), strict=True))
-        model = build_gpt_model(shape)
+        model = build_gpt_model(shape, sequence_parallel=parallel.sequence_parallel)
         load_hf_weights(model, shape, original)
         back = dict(iter_hf_tensors(model, shape))
         results[f"{label}_round_trip"] = sorted(n for n, t in back.items()
@@ -51,7 +57,11 @@ def mla_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]:
         results[f"{label}_num_tensors"] = [len(back), len(original)]
         ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(5))
         ours: torch.Tensor | None
-        if layout.pp_size == 1:
+        if layout.cp_size > 1:
+            ours = cp_token_logprobs(model, ids)
+            results[f"{label}_grad_diff"] = _cp_grad_diff(model, hf, ids, ours)
+            ours = ours.detach()
+        elif layout.pp_size == 1:
             with torch.no_grad():
                 ours = token_logprobs(model, ids)
         else:
@@ -64,13 +74,37 @@ def mla_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]:
     return results
 
 
+def _cp_grad_diff(model: Any, hf: Any, ids: Any, ours: Any) -> float:
+    """Max relative difference of the attention down projections' gradients of the summed
+    log-probs (each CP rank's part, summed over CP) from Hugging Face's."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ours.sum().backward()
+    logits = hf(ids).logits
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])
+    lp.sum().backward()
+    worst = 0.0
+    for i, layer in enumerate(model.decoder.layers):
+        att = layer.self_attention
+        for mine, theirs in ((att.linear_kv_down_proj, "kv_a_proj_with_mqa"),
+                             (att.linear_q_down_proj, "q_a_proj")):
+            grad = mine.weight.grad.clone()
+            dist.all_reduce(grad, group=ps.get_context_parallel_group())
+            ref = getattr(hf.model.layers[i].self_attn, theirs).weight.grad
+            worst = max(worst, float((grad - ref).abs().max() / ref.abs().max()))
+    return worst
+
+
 @pytest.mark.slow
 def test_two_ranks_match_hf_and_round_trip() -> None:
     results = run_ranks(Path(__file__), "mla_worker", 2)
-    for label in ("tp2", "ep2", "pp2"):
+    for label in ("tp2", "sp2", "ep2", "pp2", "cp2"):
         for rank_results in results:
             assert rank_results[f"{label}_round_trip"] == [], label
             got, want = rank_results[f"{label}_num_tensors"]
             assert got == want, label
         diffs = [r[f"{label}_logprob_diff"] for r in results if f"{label}_logprob_diff" in r]
         assert diffs and max(diffs) < 1e-4, (label, diffs)
+    assert max(r["cp2_grad_diff"] for r in results) < 1e-4

@@ -22,10 +22,9 @@ def test_world_size_is_tp_times_dp() -> None:
     assert service_world_size(TrainerConfig.model_validate({"parallel": parallel})) == 8
 
 
-def test_pipeline_with_context_parallel_is_a_config_error() -> None:
-    parallel = {"pipeline_parallel": 2, "context_parallel": 2}
-    with pytest.raises(ConfigError, match="pipeline_parallel > 1 with context_parallel"):
-        service_world_size(TrainerConfig.model_validate({"parallel": parallel}))
+def test_pipeline_with_context_parallel_is_accepted() -> None:
+    parallel = {"pipeline_parallel": 2, "context_parallel": 2, "data_parallel": 2}
+    assert service_world_size(TrainerConfig.model_validate({"parallel": parallel})) == 8
 
 
 def test_expert_parallel_takes_its_ranks_from_data_parallel() -> None:
