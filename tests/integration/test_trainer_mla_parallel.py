@@ -27,11 +27,11 @@ def mla_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]:
     from services.trainer.weight_map_mla import MTP_PREFIX, carried_rules
 
     results: dict[str, Any] = {}
-    # TP=2 with dense layers only: parallel.py leaves megatron's expert-TP size at TP while
-    # the converters and config assume expert TP 1.
+    # Plain TP=2 with dense layers only (megatron runs MoE layers under TP only with sequence
+    # parallelism); TP=2 with SP includes an MoE layer.
     layouts = {
         "tp2": (ParallelConfig(tensor_parallel=2), 4),
-        "sp2": (ParallelConfig(tensor_parallel=2, sequence_parallel=True), 4),
+        "sp2": (ParallelConfig(tensor_parallel=2, sequence_parallel=True), 3),
         "ep2": (ParallelConfig(expert_parallel=2), 1),
         "pp2": (ParallelConfig(pipeline_parallel=2), 1),
         "cp2": (ParallelConfig(context_parallel=2), 1),
