@@ -180,9 +180,15 @@ class DirectEngineWeightSync(_SyncBase):
         self.engine_group = None
 
     def close(self) -> None:
+        # Both ends leave at once: over NCCL an engine's destroy waits for the trainer's.
+        futures = []
         if self.engine_group is not None:
-            self._destroy_engine_group()
+            futures = self._post_all("/destroy_weights_update_group",
+                                     [{"group_name": self.engine_group}] * len(self.urls))
+            self.engine_group = None
         self.end.leave()
+        for future in futures:
+            future.exception(timeout=self.config.timeout_s)  # a refusal is fine: we are leaving
         self.pool.shutdown()
         self.http.close()
 

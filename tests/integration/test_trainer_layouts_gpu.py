@@ -1,9 +1,10 @@
-"""On two GPUs (NCCL): each two-rank layout the trainer service runs (TP, PP, CP, DP, and EP
-drawn from DP) trains a tiny model for two steps through the service's own path
-(`build_policy`, batches moved to the rank's device, `train_step_for`) and ends with the same
-Hugging Face tensors, losses and grad norms as one GPU fed the same batches. The CPU (gloo)
-versions of these comparisons run in the other trainer tests; this one checks that the same
-code holds on CUDA and NCCL."""
+"""On two GPUs (NCCL): each two-rank layout the trainer service runs (TP, PP, CP, DP, EP drawn
+from DP, TP with sequence parallelism, and MoE under TP + SP with EP across the TP ranks)
+trains a tiny model for two steps through the service's own path (`build_policy`, batches
+moved to the rank's device, `train_step_for`) and ends with the same Hugging Face tensors,
+losses and grad norms as one GPU fed the same batches. The CPU (gloo) versions of these
+comparisons run in the other trainer tests; this one checks that the same code holds on CUDA
+and NCCL."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, int]]] = {
     "cp2": ("qwen2", {"context_parallel": 2}),
     "dp2": ("llama", {"data_parallel": 2}),
     "ep2": ("qwen2_moe", {"expert_parallel": 2, "data_parallel": 2}),
+    "sp2": ("qwen3", {"tensor_parallel": 2, "sequence_parallel": 1}),
+    "sp2_ep2": ("qwen2_moe", {"tensor_parallel": 2, "sequence_parallel": 1, "expert_parallel": 2}),
 }
 
 
