@@ -81,6 +81,17 @@ def _cp_group() -> Any:
     return ps.get_context_parallel_group()
 
 
+def require_plain_causal(config: Any, attn_mask_type: Any, what: str) -> None:
+    """Raise ConfigError unless the attention is plainly causal with a vanilla softmax (all the
+    core attentions written here compute)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if attn_mask_type != AttnMaskType.causal or config.window_size is not None:
+        raise ConfigError(f"{what} supports plain causal masks only")
+    if config.softmax_type != "vanilla":
+        raise ConfigError(f"{what}: softmax {config.softmax_type!r} is not supported")
+
+
 class ContextParallelAttention(torch.nn.Module):
     """Causal core attention of this CP rank's query chunks against the whole sequence.
 
@@ -99,12 +110,8 @@ class ContextParallelAttention(torch.nn.Module):
         pg_collection: Any = None,
     ) -> None:
         super().__init__()
-        from megatron.core.transformer.enums import AttnMaskType
 
-        if attn_mask_type != AttnMaskType.causal or config.window_size is not None:
-            raise ConfigError("context parallel attention supports plain causal masks only")
-        if config.softmax_type != "vanilla":
-            raise ConfigError(f"context parallel attention: softmax {config.softmax_type!r}")
+        require_plain_causal(config, attn_mask_type, "context parallel attention")
         self.config = config
         self.group = getattr(pg_collection, "cp", None) or _cp_group()
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)

@@ -22,7 +22,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from services.common.errors import ConfigError
-from services.trainer.context_parallel import chunk_positions, gather_sequence, gathered_positions
+from services.trainer.context_parallel import (
+    chunk_positions,
+    gather_sequence,
+    gathered_positions,
+    require_plain_causal,
+)
 
 
 class MLACoreAttention(torch.nn.Module):
@@ -45,12 +50,8 @@ class MLACoreAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         from megatron.core import parallel_state as ps
-        from megatron.core.transformer.enums import AttnMaskType
 
-        if attn_mask_type != AttnMaskType.causal or config.window_size is not None:
-            raise ConfigError("MLA core attention supports plain causal masks only")
-        if config.softmax_type != "vanilla":
-            raise ConfigError(f"MLA core attention: softmax {config.softmax_type!r}")
+        require_plain_causal(config, attn_mask_type, "MLA core attention")
         self.config = config
         self.cp_group = getattr(pg_collection, "cp", None) or ps.get_context_parallel_group()
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(k_channels or config.kv_channels)

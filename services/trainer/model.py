@@ -218,7 +218,6 @@ def build_gpt_model(
             sequence_parallel=sequence_parallel,
         )
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(
@@ -247,8 +246,21 @@ def build_gpt_model(
         spec = use_tp_norms(spec, config)
     if shape.is_moe:
         _allow_moe_without_te()
-    rope_scaling = shape.rope_scaling_factor is not None
-    model = GPTModel(
+    model = stage_model(
+        shape, config, spec, rope_scaling=shape.rope_scaling_factor is not None,
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
+    )  # fmt: skip
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def stage_model(shape: ModelShape, config: Any, spec: Any, **rope: Any) -> Any:
+    """megatron's GPTModel for this rank's pipeline stage, with RoPE (`rope`: its scaling)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=shape.vocab_size,
@@ -259,12 +271,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=shape.rope_theta,  # type: ignore[arg-type]
-        rope_scaling=rope_scaling,
-        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
+        **rope,
     )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
 
 
 def load_hf_config(path: str) -> Any:

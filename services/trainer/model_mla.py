@@ -165,7 +165,6 @@ def build_mla_model(shape: MLAShape, *, dtype: str = "float32",
                     sequence_parallel: bool = False) -> Any:
     """This rank's megatron GPTModel for an MLA `shape`, with the carried DSA/MTP buffers."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -199,18 +198,7 @@ def build_mla_model(shape: MLAShape, *, dtype: str = "float32",
         spec = use_tp_norms(spec, config)
     model_module._allow_moe_without_te()
     _allow_mla_without_te()
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=shape.vocab_size,
-        max_sequence_length=shape.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        parallel_output=True,
-        share_embeddings_and_output_weights=shape.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=shape.rope_theta,  # type: ignore[arg-type]
-    )
+    model = model_module.stage_model(shape, config, spec)
     for module in model.modules():
         if isinstance(module, MLASelfAttention):
             for norm in (getattr(module, "q_layernorm", None), module.kv_layernorm):
