@@ -24,7 +24,7 @@ from services.trainer.sequence_parallel import (
     pad_rows,
 )
 
-# /work/shared/reference/glm52-tbench2.md: TP 2 with SP, CP 4, PP 4, EP 8, expert TP 1, DP 1.
+# The reference run (examples/glm52_tbench2): TP 2 with SP, CP 4, PP 4, EP 8, expert TP 1, DP 1.
 REFERENCE = {"tensor_parallel": 2, "sequence_parallel": True, "context_parallel": 4,
              "pipeline_parallel": 4, "expert_parallel": 8, "data_parallel": 1}
 MOE = SimpleNamespace(is_moe=True)
