@@ -221,15 +221,9 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(
-        shape,
-        tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
-        cp=ps.get_context_parallel_world_size(),
-        ep=ps.get_expert_model_parallel_world_size(),
-        dtype=dtype,
-        num_layers_per_stage=num_layers_per_stage,
+        shape, **parallel_sizes(), dtype=dtype, num_layers_per_stage=num_layers_per_stage,
         sequence_parallel=sequence_parallel,
-    )
+    )  # fmt: skip
     spec = get_gpt_layer_local_spec(
         num_experts=shape.num_experts or None,
         moe_grouped_gemm=False,
@@ -253,6 +247,18 @@ def build_gpt_model(
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def parallel_sizes() -> dict[str, int]:
+    """TP, PP, CP and EP sizes of the layout `init_parallel` set up (transformer_config's)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+    }
 
 
 def stage_model(shape: ModelShape, config: Any, spec: Any, **rope: Any) -> Any:

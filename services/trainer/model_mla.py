@@ -164,7 +164,6 @@ def build_mla_model(shape: MLAShape, *, dtype: str = "float32",
                     num_layers_per_stage: list[int] | None = None,
                     sequence_parallel: bool = False) -> Any:
     """This rank's megatron GPTModel for an MLA `shape`, with the carried DSA/MTP buffers."""
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -176,15 +175,9 @@ def build_mla_model(shape: MLAShape, *, dtype: str = "float32",
     from services.trainer.weight_map_mla import carried_rules
 
     config = mla_transformer_config(
-        shape,
-        tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
-        cp=ps.get_context_parallel_world_size(),
-        ep=ps.get_expert_model_parallel_world_size(),
-        dtype=dtype,
-        num_layers_per_stage=num_layers_per_stage,
-        sequence_parallel=sequence_parallel,
-    )
+        shape, **model_module.parallel_sizes(), dtype=dtype,
+        num_layers_per_stage=num_layers_per_stage, sequence_parallel=sequence_parallel,
+    )  # fmt: skip
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm")
     # The local final norm (apex's FusedLayerNorm, where installed, has no RMSNorm).

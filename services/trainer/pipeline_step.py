@@ -35,7 +35,7 @@ from services.trainer.logprobs import stage_forward, stage_logprobs
 from services.trainer.loss import LossSettings, policy_loss
 from services.trainer.model_config import ParallelConfig
 from services.trainer.policy import LogprobSource, Policy
-from services.trainer.step import DataShard, _split
+from services.trainer.step import DataShard, add_weighted, plan_step, step_metrics
 from services.trainer.step import train_step as one_stage_train_step
 
 #: What the last stage does with one micro-batch's whole-row log-probs [B, S] (megatron's
@@ -127,13 +127,7 @@ def train_step(
 ) -> dict[str, float]:
     """`step.train_step` across pipeline stages; every rank returns the same metrics."""
     model = _megatron_model(policy)
-    lockstep = shard is not None and shard.lockstep  # EP: loss-free micro-batches run too
-    plan = []  # (the minibatch's loss tokens, this pipeline's micro-batches of it)
-    for minibatch in _split(batch.micro_batches, num_minibatches):
-        tokens = sum(mb.num_loss_tokens for mb in minibatch)
-        if tokens > 0:
-            picked = shard.pick(minibatch) if shard is not None else minibatch
-            plan.append((tokens, [mb for mb in picked if mb.num_loss_tokens > 0 or lockstep]))
+    plan = plan_step(batch, num_minibatches, shard)
     mine = [mb for _, todo in plan for mb in todo]
     old = pipelined_logprobs(model, mine)
     ref = pipelined_logprobs(_megatron_model(reference), mine) if reference is not None else {}
@@ -146,25 +140,17 @@ def train_step(
             mb.advantages, mb.loss_mask, settings, ref.get(id(mb)),
         )  # fmt: skip
         metrics["loss"] = loss.detach()
-        for key, value in metrics.items():
-            if key != "num_loss_tokens":
-                sums[key] = sums.get(key, 0.0) + float(value) * n
+        add_weighted(sums, metrics, n)
         return loss * (n / tokens), torch.tensor(n, dtype=torch.int), {}
 
     step_sums: dict[str, float] = {}
     for tokens, todo in plan:
         if todo:
             run_schedule(model, todo, partial(weighted_loss, tokens=tokens), forward_only=False)
-        for key, step_value in policy.step().items():  # the same on every rank
-            step_sums[key] = step_sums.get(key, 0.0) + step_value * tokens
+        add_weighted(step_sums, policy.step(), tokens)  # the same on every rank
     if shard is not None:
         sums = shard.sum(sums)
-    sums = _to_every_stage(sums)
-    sums.update(step_sums)
-    total_tokens = sum(tokens for tokens, _ in plan)
-    out = {key: value / max(total_tokens, 1) for key, value in sums.items()}
-    out["num_loss_tokens"] = float(total_tokens)
-    return out
+    return step_metrics(_to_every_stage(sums), step_sums, plan)
 
 
 def train_step_for(parallel: ParallelConfig) -> TrainStepFn:

@@ -61,6 +61,43 @@ class DataShard:
         return out
 
 
+#: Each optimizer update of a step: (loss tokens of the whole minibatch, this rank's part).
+StepPlan = list[tuple[int, list[MicroBatch]]]
+
+
+def plan_step(
+    batch: RolloutBatch, num_minibatches: int, shard: DataShard | None = None
+) -> StepPlan:
+    """The minibatches of `batch` that carry loss, with this rank's micro-batches of each
+    (loss-free ones only under lockstep, where every rank must run as many)."""
+    lockstep = shard is not None and shard.lockstep
+    plan = []
+    for minibatch in _split(batch.micro_batches, num_minibatches):
+        tokens = sum(mb.num_loss_tokens for mb in minibatch)
+        if tokens > 0:
+            picked = shard.pick(minibatch) if shard is not None else minibatch
+            plan.append((tokens, [mb for mb in picked if mb.num_loss_tokens > 0 or lockstep]))
+    return plan
+
+
+def add_weighted(sums: dict[str, float], metrics: dict[str, Any], weight: float) -> None:
+    """Accumulate `metrics` (tensors or floats) times `weight` into `sums`."""
+    for key, value in metrics.items():
+        if key != "num_loss_tokens":
+            sums[key] = sums.get(key, 0.0) + float(value) * weight
+
+
+def step_metrics(
+    sums: dict[str, float], step_sums: dict[str, float], plan: StepPlan
+) -> dict[str, float]:
+    """Token-weighted means of the micro-batch sums (already summed over ranks) and of the
+    optimizer updates' metrics, plus the step's loss tokens."""
+    total_tokens = sum(tokens for tokens, _ in plan)
+    out = {key: value / max(total_tokens, 1) for key, value in {**sums, **step_sums}.items()}
+    out["num_loss_tokens"] = float(total_tokens)
+    return out
+
+
 def train_step(
     policy: Policy,
     batch: RolloutBatch,
@@ -70,16 +107,7 @@ def train_step(
     shard: DataShard | None = None,
 ) -> dict[str, float]:
     """Run the optimizer updates of one rollout batch; returns token-weighted mean metrics."""
-
-    def mine(items: list[MicroBatch]) -> list[MicroBatch]:
-        return shard.pick(items) if shard is not None else items
-
-    lockstep = shard is not None and shard.lockstep
-    plan = [
-        (tokens, mine(minibatch))  # (loss tokens of the whole minibatch, this rank's part)
-        for minibatch in _split(batch.micro_batches, num_minibatches)
-        if (tokens := sum(mb.num_loss_tokens for mb in minibatch)) > 0
-    ]
+    plan = plan_step(batch, num_minibatches, shard)
     scheduled = [mb for _, part in plan for mb in part]
     with torch.no_grad():
         old = {id(mb): policy.logprobs(mb).detach() for mb in scheduled}
@@ -90,27 +118,17 @@ def train_step(
         )
     sums: dict[str, float] = {}
     step_sums: dict[str, float] = {}
-    total_tokens = 0
     for tokens, part in plan:
-        total_tokens += tokens
         for mb in part:
             n = mb.num_loss_tokens
-            if n == 0 and not lockstep:
-                continue
             loss, metrics = policy_loss(
                 policy.logprobs(mb), old[id(mb)], mb.rollout_logprobs, mb.advantages,
                 mb.loss_mask, settings, ref.get(id(mb)),
             )  # fmt: skip
             policy.backward(loss * (n / tokens))
             metrics["loss"] = loss.detach()
-            for key, value in metrics.items():
-                if key != "num_loss_tokens":
-                    sums[key] = sums.get(key, 0.0) + float(value) * n
-        for key, step_value in policy.step().items():  # the same on every rank
-            step_sums[key] = step_sums.get(key, 0.0) + step_value * tokens
+            add_weighted(sums, metrics, n)
+        add_weighted(step_sums, policy.step(), tokens)  # the same on every rank
     if shard is not None:
         sums = shard.sum(sums)
-    sums.update(step_sums)
-    out = {key: value / max(total_tokens, 1) for key, value in sums.items()}
-    out["num_loss_tokens"] = float(total_tokens)
-    return out
+    return step_metrics(sums, step_sums, plan)
