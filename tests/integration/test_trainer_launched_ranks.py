@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
 from services.common import process
 from services.common.buffer import SampleBuffer
 from services.common.config import RedisConfig
 from services.common.ports import free_ports
+from services.testing.trainer_groups import scored_group
 from services.trainer.checkpoint import STATE_FILE, Checkpointer
 
 NUM_STEPS = 2
@@ -37,20 +37,6 @@ def workdir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="riptide-launched-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _group(index: int) -> Group:
-    gen = torch.Generator().manual_seed(index)
-    samples = [
-        Trajectory(
-            sample_id=f"s{index}-{i}", prompt_ids=[1, 2, 3 + index],
-            response_ids=torch.randint(3, 250, (4 + i,), generator=gen).tolist(),
-            loss_mask=[1] * (4 + i), rollout_logprobs=[-5.0] * (4 + i),
-            reward=float(i == index % 3), status=VERDICT_STATUS_SCORED,
-        )  # fmt: skip
-        for i in range(3)
-    ]
-    return Group(group_id=f"group-{index:03d}", samples=samples)
 
 
 def _write_config(workdir: Path, redis_url: str, model_dir: Path) -> Path:
@@ -132,7 +118,7 @@ def test_externally_launched_ranks_train_and_stop_together(
     model_dir = create_tiny_model(workdir / "model", hidden_size=64, num_layers=2)
     buffer = SampleBuffer(RedisConfig(url=redis_url), "launched")
     for i in range(2 * NUM_STEPS):
-        assert buffer.put(_group(i))
+        assert buffer.put(scored_group(i))
     ranks = Ranks(workdir, _write_config(workdir, redis_url, model_dir))
     try:
         ranks.start()

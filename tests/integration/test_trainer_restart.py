@@ -21,11 +21,11 @@ import httpx
 import pytest
 import torch
 
-from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
 from services.common import process
 from services.common.buffer import SampleBuffer
 from services.common.config import RedisConfig
 from services.common.ports import free_ports
+from services.testing.trainer_groups import scored_group
 from services.trainer.checkpoint import STATE_FILE, Checkpointer
 from services.trainer.config import TrainerConfig
 from services.trainer.data import GroupStream
@@ -45,22 +45,9 @@ def workdir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _group(index: int, vocab: int = 200) -> Group:
-    gen = torch.Generator().manual_seed(index)
-    samples = []
-    for i in range(3):
-        response = torch.randint(3, vocab, (4 + i,), generator=gen).tolist()
-        samples.append(Trajectory(
-            sample_id=f"s{index}-{i}", prompt_ids=[1, 2, 3 + index % 5], response_ids=response,
-            loss_mask=[1] * len(response), rollout_logprobs=[-5.0] * len(response),
-            reward=float(i == index % 3), status=VERDICT_STATUS_SCORED,
-        ))  # fmt: skip
-    return Group(group_id=f"group-{index:03d}", samples=samples)
-
-
 def _produce(buffer: SampleBuffer, indices: range) -> list[str]:
     for i in indices:
-        assert buffer.put(_group(i))
+        assert buffer.put(scored_group(i, vocab=200))
     return [f"group-{i:03d}" for i in indices]
 
 

@@ -22,12 +22,12 @@ import httpx
 import pytest
 import torch
 
-from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
 from services.common import process
 from services.common.buffer import SampleBuffer
 from services.common.config import RedisConfig
 from services.common.ports import free_ports
 from services.testing.proc_tree import alive, descendants
+from services.testing.trainer_groups import scored_group
 from services.trainer.checkpoint import STATE_FILE, Checkpointer
 
 ADMIN = "admin-token-tp"
@@ -39,19 +39,6 @@ def workdir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="riptide-trainer-tp-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _group(index: int) -> Group:
-    gen = torch.Generator().manual_seed(index)
-    samples = []
-    for i in range(3):
-        response = torch.randint(3, 250, (5 + i,), generator=gen).tolist()
-        samples.append(Trajectory(
-            sample_id=f"s{index}-{i}", prompt_ids=[1, 2, 3 + index], response_ids=response,
-            loss_mask=[1] * len(response), rollout_logprobs=[-5.0] * len(response),
-            reward=float(i == index % 3), status=VERDICT_STATUS_SCORED,
-        ))  # fmt: skip
-    return Group(group_id=f"group-{index:03d}", samples=samples)
 
 
 # Adam turns a gradient near 0 into a step of up to lr whose sign follows rounding noise
@@ -112,7 +99,7 @@ class Trainer:
 
     def produce(self, indices: range) -> None:
         for i in indices:
-            assert self.buffer.put(_group(i))
+            assert self.buffer.put(scored_group(i, min_response_len=5))
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", "trainer", "--config",
