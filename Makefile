@@ -36,6 +36,7 @@ test: $(VENV)/.installed test-deps lint typecheck compose-check
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check services tests bench scripts
+	$(VENV)/bin/lint-imports
 	$(PY) scripts/gen_protos.py --check
 
 typecheck: $(VENV)/.installed

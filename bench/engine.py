@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.rollout.engine.tiny_model import create_tiny_model  # noqa: E402
+from services.common.tiny_model import create_tiny_model  # noqa: E402
 from services.testing.engine_process import EngineProcess  # noqa: E402
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
-from services.common.config import validate_config
+from services.deployment import validate_config
 from services.sandbox.server import build_runtime
 from services.sandbox.stats import percentile
 

@@ -54,9 +54,9 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     import json
 
-    from services.common.config import load_config
     from services.common.errors import ConfigError
     from services.common.logging import setup_logging
+    from services.deployment import load_config
 
     overrides = list(args.set)
     if args.stream_optimizer_state_to_disk is not None:
@@ -67,7 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     setup_logging(args.service, config.run.log_level, config.run.log_format)
     if args.service == "engine":
-        from services.rollout.engine.cli import serve as serve_engine
+        from services.engine.cli import serve as serve_engine
 
         if not config.engine.model_path:
             raise ConfigError(f"{args.config}: engine.model_path is required to serve an engine")
@@ -96,8 +96,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.common.local_stack import run_up
     from services.common.run_summary import summarize
+    from services.local_stack import run_up
 
     return run_up(args.dir, args.config, args.steps, summarize)
 
@@ -106,7 +106,7 @@ def _status(args: argparse.Namespace) -> int:
     import json
 
     from services.common import status_report
-    from services.common.config import load_config
+    from services.deployment import load_config
 
     report = status_report.collect(load_config(args.config))
     print(json.dumps(report, indent=2) if args.json else status_report.render(report))
@@ -114,7 +114,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
-    from services.rollout.engine.tiny_model import create_tiny_model
+    from services.common.tiny_model import create_tiny_model
 
     create_tiny_model(args.path, seed=args.seed)
     print(f"tiny model written to {args.path}")

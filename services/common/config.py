@@ -1,7 +1,7 @@
-"""The deployment config: one TOML file, a section per service, command-line overrides.
+"""Config plumbing every service shares: strict models, the TOML file, overrides, errors.
 
-Each service owns its section's model (services/<svc>/config.py); this module assembles them,
-loads the file and turns every problem into one precise ConfigError.
+Each service owns its section's model (services/<svc>/config.py); the whole deployment is
+assembled above the services, in services/deployment.py.
 """
 
 from __future__ import annotations
@@ -60,35 +60,6 @@ class RedisConfig(StrictModel):
     connect_timeout_s: float = Field(5.0, gt=0, description="fail fast when Redis is down")
 
 
-def _section_models() -> dict[str, type[StrictModel]]:
-    from services.rollout.config import RolloutConfig
-    from services.rollout.engine.config import EngineConfig
-    from services.router.config import RouterConfig
-    from services.sandbox.config import SandboxConfig
-    from services.trainer.config import TrainerConfig
-
-    return {
-        "router": RouterConfig,
-        "rollout": RolloutConfig,
-        "sandbox": SandboxConfig,
-        "trainer": TrainerConfig,
-        "engine": EngineConfig,
-    }
-
-
-def deployment_model() -> type[StrictModel]:
-    """The pydantic model of a whole deployment file, built from each service's section."""
-    from pydantic import create_model
-
-    fields: dict[str, Any] = {
-        "run": (RunConfig, ...),
-        "redis": (RedisConfig, Field(default_factory=lambda: RedisConfig())),
-    }
-    for name, model in _section_models().items():
-        fields[name] = (model, Field(default_factory=model))
-    return create_model("DeploymentConfig", __base__=StrictModel, **fields)
-
-
 def parse_override(item: str) -> tuple[list[str], Any]:
     """Parse `section.key=value`; the value is read as TOML, else taken as a plain string."""
     key, sep, raw = item.partition("=")
@@ -118,16 +89,8 @@ def format_validation_error(source: str, exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def validate_config(data: dict[str, Any], source: str = "config") -> Any:
-    """Validate a parsed config dict into a DeploymentConfig, or raise a precise ConfigError."""
-    try:
-        return deployment_model().model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(source, exc)) from None
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Any:
-    """Read a deployment TOML file, apply `section.key=value` overrides, validate."""
+def read_config_file(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Read a deployment TOML file into a dict and apply `section.key=value` overrides."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -138,7 +101,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Any:
     for item in overrides or []:
         keys, value = parse_override(item)
         _apply(data, keys, value)
-    return validate_config(data, str(path))
+    return data
+
+
+def validate_section(model: type[StrictModel], values: dict[str, Any], source: str) -> Any:
+    """Validate one section's values into its model, or raise a precise ConfigError."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(source, exc)) from None
 
 
 def dump_config(config: BaseModel) -> str:

@@ -80,7 +80,7 @@ class FleetConfig(StrictModel):
     base_port: int = Field(0, ge=0, le=65535, description="first engine port (0: free ports)")
     attach_urls: list[str] = Field(default_factory=list, description="engines started elsewhere")
     builtin_args: list[str] = Field(
-        default_factory=list, description="extra flags for `python -m services.rollout.engine`")
+        default_factory=list, description="extra flags for `python -m services.engine`")
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="SGLang flags")
     ranks_per_engine: int | None = Field(
         None, ge=1, description="weight-update ranks per attached engine (default: ask it)")

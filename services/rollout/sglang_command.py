@@ -38,8 +38,8 @@ def sglang_command(config: SGLangConfig, model_path: str, host: str, port: int,
 
 def builtin_command(config: FleetConfig, host: str, port: int, weight_version: int,
                     python: str = sys.executable) -> list[str]:
-    """`python -m services.rollout.engine ...` for one built-in engine."""
-    return [python, "-m", "services.rollout.engine", "--model", config.model_path,
+    """`python -m services.engine ...` for one built-in engine."""
+    return [python, "-m", "services.engine", "--model", config.model_path,
             "--host", host, "--port", str(port), "--weight-version", str(weight_version),
             *config.builtin_args]
 

@@ -15,7 +15,7 @@ from services.common.service import ServiceRuntime
 def load_tokenizer(path: str | None) -> Any:
     """A Hugging Face tokenizer folder, or the tiny model's byte-level tokenizer when None."""
     if path is None:
-        from services.rollout.engine.tiny_model import build_tokenizer
+        from services.common.tiny_model import build_tokenizer
 
         return build_tokenizer()
     from transformers import AutoTokenizer

@@ -1,4 +1,4 @@
-"""Start the built-in engine (services/rollout/engine) as a child process, for tests and benches.
+"""Start the built-in engine (services/engine) as a child process, for tests and benches.
 
 The engine runs in its own process group, so `stop()` and `kill()` reach it and nothing else.
 Used by the engine's integration tests, the router's and rollout's tests, and bench/engine.py.
@@ -20,7 +20,7 @@ from services.testing.child_server import ChildServer
 
 def tiny_model_path(root: str | Path | None = None) -> Path:
     """The tiny random model in `root` (default: a per-user temp folder), created if absent."""
-    from services.rollout.engine.tiny_model import create_tiny_model
+    from services.common.tiny_model import create_tiny_model
 
     folder = Path(root or Path(tempfile.gettempdir()) / "riptide-tiny-model")
     if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
@@ -51,7 +51,7 @@ class EngineProcess(ChildServer):
         start_timeout_s: float = 120.0,
     ) -> None:
         self.model_path = Path(model_path)
-        cmd = [sys.executable, "-m", "services.rollout.engine", "--model", str(model_path),
+        cmd = [sys.executable, "-m", "services.engine", "--model", str(model_path),
                "--host", "127.0.0.1", "--port", "0", "--dp-size", str(dp_size),
                *(extra_args or [])]
         super().__init__(cmd, start_timeout_s)

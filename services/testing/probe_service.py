@@ -21,11 +21,12 @@ from services._proto.riptide.v1 import (
     sandbox_pb2_grpc,
     trainer_pb2_grpc,
 )
-from services.common.config import StrictModel, load_config
+from services.common.config import StrictModel
 from services.common.errors import InvalidRequest
 from services.common.logging import setup_logging
 from services.common.serve import serve
 from services.common.service import ServiceRuntime, status_message
+from services.deployment import load_config
 
 
 class ProbeTunables(StrictModel):

@@ -37,7 +37,7 @@ def update_request(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.rollout.engine.weight_group import (
+    from services.common.weight_group import (
         broadcast_tensor,
         destroy_process_group,
         init_custom_process_group,

@@ -15,9 +15,9 @@ import torch
 
 from services._proto.riptide.v1 import rollout_pb2 as pb
 from services._proto.riptide.v1 import rollout_pb2_grpc
+from services.common import weight_group
 from services.common.grpc_client import sync_channel
 from services.common.ports import free_port
-from services.rollout.engine import weight_group
 
 
 class WeightPusher:

@@ -1,6 +1,6 @@
 """Rank 0's end of the weight-update group: rendezvous, broadcast, teardown.
 
-The group is SGLang's custom process group (services/rollout/engine/weight_group.py, shared
+The group is SGLang's custom process group (services/common/weight_group.py, shared
 with the built-in engine): the trainer is rank 0, the engines join at their rank offsets.
 Used by weight_sync.py, which decides what to broadcast and tells the engines about it.
 """
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.common import weight_group
 from services.common.errors import Unavailable
 from services.common.ports import free_port
-from services.rollout.engine import weight_group
 from services.trainer.model_config import WeightSyncConfig
 
 Bucket = list[tuple[str, torch.Tensor]]

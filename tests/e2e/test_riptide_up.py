@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import process
-from services.common.config import load_config
+from services.deployment import load_config
 from services.testing.proc_tree import alive, descendants
 
 pytestmark = pytest.mark.slow
@@ -126,7 +126,7 @@ def test_up_with_steps_trains_syncs_and_summarizes(tmp_path: Path) -> None:
 def test_a_service_failing_at_start_stops_the_stack_with_its_error(tmp_path: Path) -> None:
     """A trainer that cannot load its model fails `riptide up` fast, naming the cause."""
     from services.common.config import dump_config
-    from services.common.local_stack import ensure_tiny_model, local_config
+    from services.local_stack import ensure_tiny_model, local_config
 
     run_dir = tmp_path / "stack"
     ensure_tiny_model(run_dir)

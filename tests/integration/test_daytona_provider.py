@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
-from services.common.config import validate_config
+from services.deployment import validate_config
 from services.sandbox.config import DaytonaProviderConfig
 from services.sandbox.provider import SandboxError
 from services.sandbox.providers.daytona import DaytonaProvider

@@ -11,7 +11,7 @@ import torch
 
 from services.common import process
 from services.common.ports import free_port
-from services.rollout.engine.tiny_model import create_tiny_model
+from services.common.tiny_model import create_tiny_model
 from services.testing.engine_process import EngineProcess, tiny_model_path
 from services.testing.weight_broadcaster import load_state_dict, update_request
 

@@ -20,8 +20,9 @@ import redis
 
 from services._proto.riptide.v1 import common_pb2
 from services.common import process
-from services.common.config import dump_config, validate_config
+from services.common.config import dump_config
 from services.common.ports import free_ports
+from services.deployment import validate_config
 from services.testing.engine_process import tiny_model_path
 from services.testing.redis_server import RedisServer
 from services.testing.weight_push import WeightPusher

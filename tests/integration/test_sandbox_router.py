@@ -16,7 +16,7 @@ import pytest
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2, sandbox_pb2_grpc
 from services.common import process
 from services.common.ports import free_ports
-from services.rollout.engine.tiny_model import create_tiny_model
+from services.common.tiny_model import create_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN = "admin-token-router-test"
@@ -55,7 +55,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                             ("router", f"http://127.0.0.1:{router_admin}/readyz"),
                             ("sandbox", f"http://127.0.0.1:{sandbox_admin}/readyz")):
             log = tmp / f"{name}.log"
-            command = (["-m", "services.rollout.engine"] if name == "engine"
+            command = (["-m", "services.engine"] if name == "engine"
                        else ["-m", "services.cli", "serve", name])
             proc = process.spawn([sys.executable, *command, "--config", str(config)],
                                  log_path=log)

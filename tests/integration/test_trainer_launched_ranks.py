@@ -113,7 +113,7 @@ class Ranks:
 def test_externally_launched_ranks_train_and_stop_together(
     redis_url: str, workdir: Path
 ) -> None:
-    from services.rollout.engine.tiny_model import create_tiny_model
+    from services.common.tiny_model import create_tiny_model
 
     model_dir = create_tiny_model(workdir / "model", hidden_size=64, num_layers=2)
     buffer = SampleBuffer(RedisConfig(url=redis_url), "launched")

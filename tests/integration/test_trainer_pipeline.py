@@ -117,7 +117,7 @@ def _tied_tiny_model(path: Path) -> Path:
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
 
-    from services.rollout.engine.tiny_model import create_tiny_model
+    from services.common.tiny_model import create_tiny_model
 
     config = AutoConfig.from_pretrained(create_tiny_model(path / "untied", hidden_size=32))
     config.tie_word_embeddings = True

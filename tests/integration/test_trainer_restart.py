@@ -75,7 +75,7 @@ def _wait(predicate, proc, timeout_s: float, what: str, log: Path) -> None:  # t
 
 @pytest.mark.slow
 def test_sigkill_and_restart_trains_each_group_once(redis_url: str, workdir: Path) -> None:
-    from services.rollout.engine.tiny_model import create_tiny_model
+    from services.common.tiny_model import create_tiny_model
 
     model_dir = create_tiny_model(workdir / "model", num_layers=1)
     ckpt_dir = workdir / "ckpt"

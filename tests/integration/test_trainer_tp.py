@@ -190,7 +190,7 @@ def _compare(name: str, merged: dict, full: dict) -> None:  # type: ignore[type-
 
 @pytest.mark.slow
 def test_tp2_and_dp2_services_match_one_rank(redis_url: str, workdir: Path) -> None:
-    from services.rollout.engine.tiny_model import create_tiny_model
+    from services.common.tiny_model import create_tiny_model
 
     model_dir = create_tiny_model(workdir / "model", hidden_size=64, num_layers=2)
     layouts = {"one": (1, 1, 1), "tp2": (2, 1, 1), "dp2": (1, 2, 1), "cp2": (1, 1, 2)}
@@ -292,7 +292,7 @@ def hf_logprobs_worker(
 def test_tp2_service_syncs_engine_directly(redis_url: str, workdir: Path) -> None:
     """TP=2 `riptide serve trainer` pushes its weights to a real engine after every step: the
     engine reports the trainer's weight version and scores like the saved checkpoint."""
-    from services.rollout.engine.tiny_model import create_tiny_model
+    from services.common.tiny_model import create_tiny_model
     from services.testing.engine_process import EngineProcess
     from services.testing.trainer_ranks import run_ranks
 

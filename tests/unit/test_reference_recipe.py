@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from services.common.config import load_config
+from services.deployment import load_config
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "glm52_tbench2"
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import dump_config, load_config, parse_override, validate_config
+from services.common.config import dump_config, parse_override
 from services.common.errors import ConfigError
+from services.deployment import load_config, validate_config
 
 MINIMAL = '[run]\nadmin_token = "0123456789"\n'
 

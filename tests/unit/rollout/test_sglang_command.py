@@ -48,7 +48,7 @@ def test_builtin_engine_command_and_ranks() -> None:
     fleet = FleetConfig(kind="builtin", num_engines=2, model_path="/tmp/tiny",
                         builtin_args=["--dp-size", "2"])
     cmd = engine_command(fleet, "127.0.0.1", 4321, 3)
-    assert cmd[1:3] == ["-m", "services.rollout.engine"]
+    assert cmd[1:3] == ["-m", "services.engine"]
     assert _flags(cmd) == {"--model": "/tmp/tiny", "--host": "127.0.0.1", "--port": "4321",
                            "--weight-version": "3", "--dp-size": "2"}
     assert ranks_per_engine(fleet) == 1

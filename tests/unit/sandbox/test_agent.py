@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from services._proto.riptide.v1 import common_pb2
-from services.rollout.engine.tiny_model import build_tokenizer
+from services.common.tiny_model import build_tokenizer
 from services.sandbox.agent import GenerationAborted, TerminalAgent
 from services.sandbox.chat_format import ChatFormat
 from services.sandbox.config import AgentConfig

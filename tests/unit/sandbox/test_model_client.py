@@ -9,7 +9,7 @@ import pytest
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.errors import InvalidRequest
-from services.rollout.engine.tiny_model import build_tokenizer
+from services.common.tiny_model import build_tokenizer
 from services.sandbox.agent import TerminalAgent
 from services.sandbox.chat_format import ChatFormat
 from services.sandbox.config import AgentConfig

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.common.config import validate_config
 from services.common.errors import ConfigError
+from services.deployment import validate_config
 from services.trainer.model import ModelShape, transformer_config
 from services.trainer.pipeline_layout import (
     megatron_layout,

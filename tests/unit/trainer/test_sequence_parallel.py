@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.errors import ConfigError
+from services.deployment import load_config
 from services.trainer.config import TrainerConfig
 from services.trainer.megatron_policy import check_moe_layout
 from services.trainer.model_config import ParallelConfig

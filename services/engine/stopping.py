@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from services.rollout.engine.request import GenRequest, SamplingParams
+from services.engine.request import GenRequest, SamplingParams
 
 
 class Detokenizer(Protocol):

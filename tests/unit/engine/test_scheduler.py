@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.rollout.engine.config import EngineConfig
-from services.rollout.engine.engine import Engine
-from services.rollout.engine.request import GenRequest, SamplingParams
-from services.rollout.engine.tiny_model import create_tiny_model
+from services.common.tiny_model import create_tiny_model
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.request import GenRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,10 @@ from typing import Any
 import httpx
 
 from services.common import process
-from services.common.config import dump_config, load_config, validate_config
+from services.common.config import dump_config
 from services.common.errors import ConfigError, RiptideError, Unavailable
 from services.common.ports import free_ports
+from services.deployment import load_config, validate_config
 
 #: Start order: what a service calls must be up before it.
 SERVICE_ORDER = ("router", "sandbox", "trainer", "rollout")
@@ -80,7 +81,7 @@ def ensure_tiny_model(run_dir: Path) -> Path:
     """The local stack's model: a tiny random Llama with a byte-level tokenizer."""
     path = run_dir / "model"
     if not (path / "config.json").exists():
-        from services.rollout.engine.tiny_model import create_tiny_model
+        from services.common.tiny_model import create_tiny_model
 
         create_tiny_model(path)
     return path

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import ConfigError
-from services.rollout.engine.cli import parse_args
-from services.rollout.engine.config import EngineConfig
+from services.engine.cli import parse_args
+from services.engine.config import EngineConfig
 
 
 def test_flags_build_the_config() -> None:

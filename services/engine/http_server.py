@@ -18,10 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.errors import InvalidRequest, RiptideError
-from services.rollout.engine.engine import PAUSE_MODES, Engine
-from services.rollout.engine.generate_io import build_response, parse_generate
-from services.rollout.engine.request import GenRequest, SamplingParams, Update
-from services.rollout.engine.weight_update import (
+from services.engine.engine import PAUSE_MODES, Engine
+from services.engine.generate_io import build_response, parse_generate
+from services.engine.request import GenRequest, SamplingParams, Update
+from services.engine.weight_update import (
     DestroyGroupRequest,
     InitGroupRequest,
     UpdateWeightsRequest,

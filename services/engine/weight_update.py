@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.common import weight_group
 from services.common.errors import Conflict, InvalidRequest
-from services.rollout.engine import weight_group
-from services.rollout.engine.model_runner import ModelRunner
+from services.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.rollout.engine.request import SamplingParams
+from services.engine.request import SamplingParams
 
 
 def sample_tokens(

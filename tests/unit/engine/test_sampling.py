@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from services.common.errors import InvalidRequest
-from services.rollout.engine.request import SamplingParams
-from services.rollout.engine.sampling import sample_filtered, sample_tokens
+from services.engine.request import SamplingParams
+from services.engine.sampling import sample_filtered, sample_tokens
 
 
 def gen(seed: int) -> torch.Generator:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.rollout.engine.radix_cache import RadixCache
+from services.engine.radix_cache import RadixCache
 
 LAYERS, HEADS, DIM = 2, 2, 4
 

@@ -6,9 +6,9 @@ import time
 from typing import Any
 
 from services.common.errors import InvalidRequest
-from services.rollout.engine.model_runner import ModelRunner
-from services.rollout.engine.request import GenRequest, SamplingParams, Update
-from services.rollout.engine.stopping import output_text
+from services.engine.model_runner import ModelRunner
+from services.engine.request import GenRequest, SamplingParams, Update
+from services.engine.stopping import output_text
 
 # GenerateReqInput fields the engine reads.
 _USED = {

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.rollout.engine.checkpoint_names import CheckpointNames
+from services.engine.checkpoint_names import CheckpointNames
 from services.testing.hf_models import random_hf_model
 
 

@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 import torch
 
 from services.common.errors import InvalidRequest
-from services.rollout.engine.config import EngineConfig
-from services.rollout.engine.metrics import EngineMetrics
-from services.rollout.engine.model_runner import ModelRunner
-from services.rollout.engine.request import GenRequest
-from services.rollout.engine.scheduler import Scheduler
+from services.engine.config import EngineConfig
+from services.engine.metrics import EngineMetrics
+from services.engine.model_runner import ModelRunner
+from services.engine.request import GenRequest
+from services.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

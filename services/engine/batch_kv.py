@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from services.rollout.engine.radix_cache import LayerKV
+from services.engine.radix_cache import LayerKV
 
 
 def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""`python -m services.rollout.engine`: parse flags (and an optional deployment file) into an
+"""`python -m services.engine`: parse flags (and an optional deployment file) into an
 EngineConfig first, then load the model and serve. `riptide serve engine` calls `main`."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from services.rollout.engine.config import EngineConfig
+from services.engine.config import EngineConfig
 
 # flag -> EngineConfig field; SGLang's spellings are accepted as aliases.
 _FLAGS: dict[str, tuple[str, ...]] = {
@@ -34,7 +34,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m services.rollout.engine",
+        prog="python -m services.engine",
         description="Riptide's built-in SGLang-compatible inference engine.",
     )
     parser.add_argument("--config", help="deployment TOML file; its [engine] section is read")
@@ -48,21 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, str | None]:
     """(config, ready file); flags override --config's [engine] section and the defaults."""
     args = build_parser().parse_args(argv)
-    values: dict = {}
-    if args.config:
-        from services.common.config import load_config
-
-        values = load_config(args.config).engine.model_dump(exclude_unset=True)
-    values.update({f: getattr(args, f) for f in _FLAGS if getattr(args, f) is not None})
-    from pydantic import ValidationError
-
-    from services.common.config import format_validation_error
+    from services.common.config import read_config_file, validate_section
     from services.common.errors import ConfigError
 
-    try:
-        config = EngineConfig.model_validate(values)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error("engine", exc)) from None
+    values: dict = {}
+    if args.config:
+        values = dict(read_config_file(args.config).get("engine", {}))
+        validate_section(EngineConfig, values, f"{args.config} [engine]")
+    values.update({f: getattr(args, f) for f in _FLAGS if getattr(args, f) is not None})
+    config = validate_section(EngineConfig, values, "engine")
     if not config.model_path:
         raise ConfigError("engine: --model (or engine.model_path) is required")
     return config, args.ready_file
@@ -75,8 +69,8 @@ def serve(config: EngineConfig, ready_file: str | None = None) -> None:
 
     import uvicorn
 
-    from services.rollout.engine.engine import Engine
-    from services.rollout.engine.http_server import create_app
+    from services.engine.engine import Engine
+    from services.engine.http_server import create_app
 
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from services.rollout.engine.batch_kv import BatchKV, cache_layers
-from services.rollout.engine.config import EngineConfig
-from services.rollout.engine.metrics import EngineMetrics
-from services.rollout.engine.model_runner import ModelRunner
-from services.rollout.engine.radix_cache import RadixCache
-from services.rollout.engine.request import GenRequest
-from services.rollout.engine.sampling import sample_tokens
-from services.rollout.engine.stopping import check_stop
+from services.engine.batch_kv import BatchKV, cache_layers
+from services.engine.config import EngineConfig
+from services.engine.metrics import EngineMetrics
+from services.engine.model_runner import ModelRunner
+from services.engine.radix_cache import RadixCache
+from services.engine.request import GenRequest
+from services.engine.sampling import sample_tokens
+from services.engine.stopping import check_stop
 
 
 class Scheduler:

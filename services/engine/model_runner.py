@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from services.common.errors import InvalidRequest
-from services.rollout.engine.batch_kv import BatchKV
-from services.rollout.engine.checkpoint_names import CheckpointNames
-from services.rollout.engine.config import EngineConfig
-from services.rollout.engine.radix_cache import LayerKV
+from services.engine.batch_kv import BatchKV
+from services.engine.checkpoint_names import CheckpointNames
+from services.engine.config import EngineConfig
+from services.engine.radix_cache import LayerKV
 
 log = logging.getLogger(__name__)
 
