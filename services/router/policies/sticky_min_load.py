@@ -2,10 +2,12 @@
 load and its later calls stick there, so each turn finds the previous turns' prefix in that
 target's cache. It trades cache for balance only where that pays.
 
-- Live load = sessions live on the target + its calls in flight. A session is live from its
-  first call until `EndSession` (the sandbox sends it when an episode ends) or, as a safety
-  net, until it made no call for `session_idle_s`. Counting in-flight calls too keeps new
-  sessions off a target whose sessions are all generating (or whose engine is slower).
+- Live load = the calls a target can expect in flight: the sum, over the sessions live on
+  it, of each session's share of time spent in a call (measured from its own calls: an
+  agent in long tool calls weighs less than one generating long outputs, and sessions on a
+  slower or queueing engine weigh more). A session is live from its first call until
+  `EndSession` (the sandbox sends it when an episode ends) or, as a safety net, until it
+  made no call for `session_idle_s`.
 - Move for load only at a gain: the session moves to the least-delayed target when the
   expected queueing delay at home exceeds the delay there plus the cost of prefilling the
   session's cached context again (`reprefill_s_per_1k_tokens`). Queueing delay comes from
@@ -32,14 +34,17 @@ from services.router.targets import Target
 
 
 class _Session:
-    __slots__ = ("target", "seen", "live", "context_tokens", "calls_since_move")
+    __slots__ = ("target", "seen", "ended", "duty", "live", "context_tokens",
+                 "calls_since_move")
 
-    def __init__(self, target: Target, now: float, calls_since_move: int) -> None:
+    def __init__(self, target: Target, now: float, duty: float) -> None:
         self.target = target
-        self.seen = now
-        self.live = True
+        self.seen = now      # its last call started
+        self.ended = 0.0     # its last call ended (0: not yet)
+        self.duty = duty     # share of its time in a call
+        self.live = False
         self.context_tokens = 0
-        self.calls_since_move = calls_since_move
+        self.calls_since_move = 0
 
 
 class StickyMinLoad(Policy):
@@ -52,7 +57,8 @@ class StickyMinLoad(Policy):
         # Both oldest call first; a live session idle for session_idle_s leaves `live`.
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.live: OrderedDict[str, _Session] = OrderedDict()
-        self.num_live: dict[int, int] = {}
+        self.expected: dict[int, float] = {}  # target -> expected calls in flight
+        self.mean_duty = 0.5
         self.num_moves = 0
         self.num_load_moves = 0
 
@@ -83,10 +89,9 @@ class StickyMinLoad(Policy):
         self._touch(session_key, session, target, now)
         return Choice(target)
 
-    def _load(self, target: Target) -> tuple[int, int, int, int]:
-        live = self.num_live.get(id(target), 0)
-        return (live + target.in_flight, target.in_flight, target.reported_tokens,
-                target.num_assigned)
+    def _load(self, target: Target) -> tuple[float, int, int, int]:
+        return (round(self.expected.get(id(target), 0.0), 6), target.in_flight,
+                target.reported_tokens, target.num_assigned)
 
     def _least_loaded(self, targets: Sequence[Target]) -> Target | None:
         best = min(targets, key=self._load, default=None)
@@ -110,19 +115,21 @@ class StickyMinLoad(Policy):
 
     def _touch(self, key: str, session: _Session | None, target: Target, now: float) -> None:
         if session is None:
-            session = _Session(target, now, calls_since_move=0)
-            self._count(target, 1)
+            session = _Session(target, now, self.mean_duty)
         else:
             self.sessions.move_to_end(key)
-            if not session.live:
-                session.live = True
-                self._count(target, 1)
-            elif session.target is not target:
-                self._count(session.target, -1)
-                self._count(target, 1)
+            if session.live:
+                self._weigh(session, -1)
+            if session.ended > session.seen:  # its previous call is over: how busy was it?
+                busy = session.ended - session.seen
+                sample = busy / max(busy + now - session.ended, 1e-9)
+                session.duty = 0.5 * session.duty + 0.5 * sample
+                self.mean_duty = 0.95 * self.mean_duty + 0.05 * sample
             if session.target is not target:
                 session.target, session.calls_since_move = target, 0
             session.seen = now
+        session.live = True
+        self._weigh(session, 1)
         session.calls_since_move += 1
         self.sessions[key] = session
         self.live.pop(key, None)
@@ -130,8 +137,9 @@ class StickyMinLoad(Policy):
         while len(self.sessions) > self.config.max_sticky_sessions:
             self._forget(next(iter(self.sessions)))
 
-    def _count(self, target: Target, delta: int) -> None:
-        self.num_live[id(target)] = self.num_live.get(id(target), 0) + delta
+    def _weigh(self, session: _Session, sign: int) -> None:
+        key = id(session.target)
+        self.expected[key] = self.expected.get(key, 0.0) + sign * session.duty
 
     def _forget(self, key: str) -> bool:
         session = self.sessions.pop(key, None)
@@ -139,7 +147,7 @@ class StickyMinLoad(Policy):
             return False
         self.live.pop(key, None)
         if session.live:
-            self._count(session.target, -1)
+            self._weigh(session, -1)
         return True
 
     def _expire(self, now: float) -> None:
@@ -150,12 +158,13 @@ class StickyMinLoad(Policy):
                 break
             self.live.popitem(last=False)
             session.live = False
-            self._count(session.target, -1)
+            self._weigh(session, -1)
 
     def on_served(self, session_key: str, target: Target, context_tokens: int) -> None:
         session = self.sessions.get(session_key)
         if session is not None and session.target is target:
             session.context_tokens = context_tokens
+            session.ended = time.monotonic()
 
     def end_session(self, session_key: str) -> bool:
         return self._forget(session_key)

@@ -235,3 +235,19 @@ def test_round_robin_cycles_over_targets() -> None:
     p = policy("round_robin", targets)
     picks = [p.select("same-session", targets).target for _ in range(6)]
     assert picks[:3] == picks[3:] and len({id(t) for t in picks}) == 3
+
+
+def test_sticky_weighs_sessions_by_their_share_of_time_in_calls() -> None:
+    targets = make_targets(2)
+    p = policy("sticky_min_load", targets)
+    busy = p.select("busy", targets).target
+    idle = p.select("idle", targets).target
+    for _ in range(2):
+        time.sleep(0.03)  # "busy" spends its time in calls, "idle" between them
+        p.on_served("busy", busy, 100)
+        p.on_served("idle", idle, 100)
+        p.select("busy", targets)
+        time.sleep(0.03)
+        p.select("idle", targets)
+    busy.num_assigned = idle.num_assigned = 0
+    assert p.select("new", targets).target is idle
