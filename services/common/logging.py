@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-_RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message"}
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -32,15 +32,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """A human line that keeps the `extra=` fields as key=value pairs after the message."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = " ".join(f"{k}={v}" for k, v in record.__dict__.items() if k not in _RESERVED)
+        return f"{line} {fields}" if fields else line
+
+
 def setup_logging(service: str, level: str = "info", fmt: str = "json") -> None:
     """Configure the root logger of this process for one service."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter(service))
     else:
-        handler.setFormatter(
-            logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
-        )
+        handler.setFormatter(TextFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

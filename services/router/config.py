@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
 
-PolicyName = Literal["sticky_min_load", "consistent_hash", "min_load", "round_robin"]
+PolicyName = Literal["sticky_min_load", "manual", "consistent_hash", "min_load", "round_robin"]
 
 
 class RouterConfig(ServiceConfig):
@@ -16,18 +16,24 @@ class RouterConfig(ServiceConfig):
 
     grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one)")
     admin_port: int = Field(8051, ge=0, le=65535, description="admin REST port (0: a free one)")
+    http_port: int | None = Field(
+        None, ge=0, le=65535, description="port of the SGLang-compatible HTTP front (POST "
+        "/generate, /health, /v1/models ...); 0 picks a free one; unset: no HTTP front")
     engine_urls: list[str] = Field(
         default_factory=list, description="engines to register at start (rollout adds more)")
 
     policy: PolicyName = Field("sticky_min_load", description="routing policy (live-tunable)")
-    max_load_skew: float = Field(
-        1.5, ge=1.0, description="sticky_min_load spills a call to the least-loaded target "
-        "when its sticky target's in-flight load would exceed this x the mean")
-    spill_min_in_flight: int = Field(
-        4, ge=0, description="never spill while the sticky target has fewer calls in flight")
+    reprefill_s_per_1k_tokens: float = Field(
+        0.05, ge=0, description="sticky_min_load: engines' time to prefill 1k uncached tokens; "
+        "a session moves for load only when queueing at home costs more than this for its "
+        "cached context")
+    min_calls_between_moves: int = Field(
+        8, ge=1, description="sticky_min_load: a session moves for load at most once per this "
+        "many of its calls")
     session_idle_s: float = Field(
-        30.0, gt=0, description="sticky_min_load counts a session as active on its target "
-        "until it has made no call for this long (set above the longest tool time)")
+        300.0, gt=0, description="sticky_min_load counts a session as live on its target until "
+        "EndSession or until it has made no call for this long (a safety net: set above the "
+        "longest tool time)")
     max_sticky_sessions: int = Field(
         200_000, ge=1, description="sessions remembered by sticky_min_load (least recent go)")
     num_virtual_nodes: int = Field(
@@ -70,7 +76,8 @@ class RouterConfig(ServiceConfig):
 
 #: Fields `PATCH /admin/config` may change while the router runs.
 TUNABLE_FIELDS = frozenset({
-    "policy", "max_load_skew", "spill_min_in_flight", "session_idle_s", "num_virtual_nodes",
+    "policy", "reprefill_s_per_1k_tokens", "min_calls_between_moves", "session_idle_s",
+    "num_virtual_nodes",
     "health_interval_s", "health_timeout_s", "unhealthy_after_failures",
     "healthy_after_successes", "circuit_open_after_failures", "circuit_open_s", "max_retries",
     "wait_for_target_s",

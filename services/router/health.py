@@ -58,8 +58,10 @@ class HealthChecker:
                                                  client.load(engine.url, timeout))
             if version is not None:
                 self.observe_version(engine, version)
-            for target in engine.targets:
-                target.reported_tokens = load.get(target.dp_rank, target.reported_tokens)
+        else:
+            load = {}
+        for target in engine.targets:  # a failed probe clears figures it can no longer vouch for
+            target.reported_tokens = load.get(target.dp_rank, 0)
         self.observe_health(engine, ok)
 
     def observe_health(self, engine: Engine, ok: bool) -> None:

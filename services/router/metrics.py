@@ -15,7 +15,7 @@ PROMPT_TOKENS = metrics.counter("riptide_router_prompt_tokens_total",
 CACHED_TOKENS = metrics.counter("riptide_router_cached_tokens_total",
                                 "prompt tokens served from the engine's prefix cache", _T)
 SPILLS = metrics.counter("riptide_router_spills_total",
-                         "calls sent off their sticky target because it was overloaded", _T)
+                         "sessions moved off their sticky target because queueing cost more", _T)
 RETRIES = metrics.counter("riptide_router_retries_total",
                           "calls retried on another target after this one was not reached", _T)
 EJECTIONS = metrics.counter("riptide_router_ejections_total",
@@ -26,7 +26,7 @@ ROUTABLE = metrics.gauge("riptide_router_routable", "1 when the target takes cal
 ROUTING_LATENCY = metrics.histogram("riptide_router_routing_latency_seconds",
                                     "time to choose a target for a call")
 CALL_LATENCY = metrics.histogram("riptide_router_call_latency_seconds",
-                                 "generate call latency through the router", _T)
+                                 "engine-reported latency of served generate calls", _T)
 
 
 def labels(target: Target) -> tuple[str, str]:

@@ -68,6 +68,7 @@ class EngineRegistry:
         engine.weight_version = await self.client.weight_version(url, self.probe_timeout_s)
         self.engines[url] = engine
         log.info("engine registered", extra={"url": url, "dp_size": engine.dp_size,
+                                             "max_running": engine.max_running,
                                              "weight_version": engine.weight_version})
         self.notify(topology=True)
         return engine
@@ -77,7 +78,9 @@ class EngineRegistry:
         info = info if isinstance(info, dict) else {}
         dp_size = int(info.get("dp_size") or 1)
         dp_aware = dp_size > 1 and bool(info.get("enable_dp_attention"))
-        engine = Engine(url=url, dp_size=dp_size, dp_aware=dp_aware)
+        # SGLang's max_running_requests is per dp rank under DP attention.
+        max_running = int(info.get("max_running_requests") or 0)
+        engine = Engine(url=url, dp_size=dp_size, dp_aware=dp_aware, max_running=max_running)
         engine.targets = [Target(engine, rank) for rank in range(dp_size if dp_aware else 1)]
         return engine
 

@@ -1,6 +1,7 @@
 """Routing one generate call: choose a target, forward it, retry only where it is safe.
 
-Called by the gRPC servicer with an SGLang /generate body. A call that never reached an engine
+Called by the gRPC servicer and the HTTP front with an SGLang /generate body (streamed or
+not). A call that never reached an engine
 (no connection, 503) is retried on another target, up to `max_retries` times; a call that may
 have started generating is never retried. Every served call updates the per-target counters
 and metrics that the bench and the admin API read.
@@ -9,18 +10,28 @@ and metrics that the bench and the admin API read.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+import httpx
+import orjson
 
 from services.common.errors import RiptideError, Unavailable
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.engine_client import EngineCallFailed, EngineClient, EngineNotReached
+from services.router.engine_stream import open_stream
 from services.router.health import HealthChecker
 from services.router.policies import Choice, Policy, make_policy
 from services.router.registry import EngineRegistry
 from services.router.targets import Target
+
+log = logging.getLogger(__name__)
+_Reply = TypeVar("_Reply")
+_DONE = b"data: [DONE]"
 
 
 @dataclass
@@ -98,6 +109,36 @@ class Router:
 
     async def generate(self, session_key: str, body: dict[str, Any]) -> RoutedReply:
         """Route one SGLang /generate body and return the engine's answer."""
+        target, reply = await self._route(session_key, body, self.client.generate)
+        meta = reply.get("meta_info") or {}
+        return RoutedReply(reply, target, float(meta.get("e2e_latency") or 0.0))
+
+    async def stream(self, session_key: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """Route a streaming /generate body; yields the engine's SSE lines unchanged."""
+        target, response = await self._route(
+            session_key, body, lambda url, b: open_stream(self.client.http, url, b),
+            keep_in_flight=True)
+        last, served = b"", False
+        try:
+            async for text in response.aiter_lines():
+                line = text.encode()
+                if line.startswith(b"data:") and not line.startswith(_DONE):
+                    last = line
+                yield line + b"\n"
+            served = True
+        except httpx.HTTPError as exc:
+            self._failed(target, "failed", EngineCallFailed(f"{target.id}: stream broke: {exc!r}"))
+            raise Unavailable(f"{target.id}: stream broke ({type(exc).__name__}); "
+                              "not retried: generation had started") from exc
+        finally:
+            self._release(target)
+            await response.aclose()
+        if served:
+            self._served(session_key, target, _last_chunk(last))
+
+    async def _route(self, session_key: str, body: dict[str, Any],
+                     send: Callable[[str, dict[str, Any]], Awaitable[_Reply]],
+                     keep_in_flight: bool = False) -> tuple[Target, _Reply]:
         excluded: set[int] = set()
         last_error: Exception | None = None
         for attempt in range(self.config.max_retries + 1):
@@ -110,40 +151,55 @@ class Router:
                 self.num_retries += 1
                 metrics.RETRIES.labels(*metrics.labels(target)).inc()
             try:
-                return await self._call(target, body)
+                reply = await self._call(target, body, send, keep_in_flight)
             except EngineNotReached as exc:
                 excluded.add(id(target))
                 last_error = exc
+                continue
+            if not keep_in_flight:
+                self._served(session_key, target, reply)  # type: ignore[arg-type]
+            return target, reply
         raise Unavailable(f"no engine reached after {self.config.max_retries + 1} attempts: "
                           f"{last_error}")
 
-    async def _call(self, target: Target, body: dict[str, Any]) -> RoutedReply:
+    async def _call(self, target: Target, body: dict[str, Any],
+                    send: Callable[[str, dict[str, Any]], Awaitable[_Reply]],
+                    keep_in_flight: bool) -> _Reply:
         if target.engine.dp_aware:
             body = {**body, "routed_dp_rank": target.dp_rank}
-        labels = metrics.labels(target)
         target.in_flight += 1
-        metrics.IN_FLIGHT.labels(*labels).inc()
-        started = time.perf_counter()
+        metrics.IN_FLIGHT.labels(*metrics.labels(target)).inc()
+        ok = False
         try:
-            reply = await self.client.generate(target.engine.url, body)
+            reply = await send(target.engine.url, body)
+            ok = True
         except EngineNotReached as exc:
-            self._failed(target, "not_reached", connect="cannot connect" in str(exc))
+            self._failed(target, "not_reached", exc, connect="cannot connect" in str(exc))
             raise
         except EngineCallFailed as exc:
-            self._failed(target, "failed")
+            self._failed(target, "failed", exc)
             raise Unavailable(f"{exc} (not retried: generation may have started)") from exc
-        except RiptideError:
-            self._failed(target, "error")
+        except RiptideError as exc:
+            self._failed(target, "error", exc)
             raise
         finally:
-            target.in_flight -= 1
-            metrics.IN_FLIGHT.labels(*labels).dec()
-        elapsed = time.perf_counter() - started
-        self._served(target, reply, elapsed)
-        meta = reply.get("meta_info") or {}
-        return RoutedReply(reply, target, float(meta.get("e2e_latency") or elapsed))
+            if not (ok and keep_in_flight):
+                self._release(target)
+        return reply
 
-    def _failed(self, target: Target, outcome: str, connect: bool = False) -> None:
+    def _release(self, target: Target) -> None:
+        target.in_flight -= 1
+        metrics.IN_FLIGHT.labels(*metrics.labels(target)).dec()
+
+    def end_session(self, session_key: str) -> bool:
+        """The session is over: it stops counting as live on its target."""
+        return self.policy.end_session(session_key)
+
+    def _failed(self, target: Target, outcome: str, cause: Exception,
+                connect: bool = False) -> None:
+        log.warning("generate failed", extra={"engine": target.engine.url,
+                                              "dp_rank": target.dp_rank, "outcome": outcome,
+                                              "cause": str(cause)})
         metrics.REQUESTS.labels(*metrics.labels(target), outcome).inc()
         if target.record_call(False, self.config.circuit_open_after_failures,
                               self.config.circuit_open_s):
@@ -151,7 +207,7 @@ class Router:
         if connect:  # a refused connection is as good as a failed health check
             self.health.observe_health(target.engine, False)
 
-    def _served(self, target: Target, reply: dict[str, Any], elapsed: float) -> None:
+    def _served(self, session_key: str, target: Target, reply: dict[str, Any]) -> None:
         labels = metrics.labels(target)
         meta = reply.get("meta_info") or {}
         prompt, cached = int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
@@ -160,10 +216,16 @@ class Router:
         target.num_requests += 1
         target.num_prompt_tokens += prompt
         target.num_cached_tokens += cached
+        latency = float(meta.get("e2e_latency") or 0.0)
+        if latency:
+            target.observe_latency(latency)
+        if session_key:
+            self.policy.on_served(session_key, target,
+                                  prompt + int(meta.get("completion_tokens") or 0))
         metrics.REQUESTS.labels(*labels, "ok").inc()
         metrics.PROMPT_TOKENS.labels(*labels).inc(prompt)
         metrics.CACHED_TOKENS.labels(*labels).inc(cached)
-        metrics.CALL_LATENCY.labels(*labels).observe(elapsed)
+        metrics.CALL_LATENCY.labels(*labels).observe(latency)
         version = meta.get("weight_version")
         if version is not None:
             self.health.observe_version(target.engine, str(version))
@@ -181,3 +243,12 @@ class Router:
             "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
             "targets": targets,
         }
+
+
+def _last_chunk(line: bytes) -> dict[str, Any]:
+    """The JSON of a stream's last `data:` line ({} when it is not JSON)."""
+    try:
+        chunk = orjson.loads(line[5:].strip() or b"{}")
+    except orjson.JSONDecodeError:
+        return {}
+    return chunk if isinstance(chunk, dict) else {}

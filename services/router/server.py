@@ -1,14 +1,16 @@
 """The router service: builds the runtime that `riptide serve router` runs.
 
-Owns the engine client, registry, health checker and router; the gRPC servicer and the admin
-routes call into it. Live tuning (`PATCH /admin/config`) changes RouterConfig in place; a new
-`policy` takes effect on the next call.
+Owns the engine client, registry, health checker, router and the SGLang-compatible HTTP front
+(`http_port`); the gRPC servicer, the front and the admin routes call into it. Live tuning
+(`PATCH /admin/config`) changes RouterConfig in place; a new `policy` takes effect on the
+next call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -44,6 +46,7 @@ class RouterRuntime(ServiceRuntime):
         self.router = Router(config, self.registry, self.health, self.client)
         self._started = False
         self._background: list[asyncio.Task[None]] = []
+        self.front: Any = None
 
     def add_to_grpc(self, server: grpc.aio.Server) -> None:
         from services._proto.riptide.v1 import router_pb2_grpc
@@ -59,6 +62,11 @@ class RouterRuntime(ServiceRuntime):
                 log.warning("configured engine not reachable yet", extra={"error": str(exc)})
                 self._background.append(asyncio.create_task(self._register_later(url)))
         self.health.start()
+        if self.config.http_port is not None:
+            from services.router.http_front import HttpFront
+
+            self.front = HttpFront(self, self.config.listen_host, self.config.http_port)
+            await self.front.start()
         self._started = True
 
     async def _register_later(self, url: str) -> None:
@@ -71,6 +79,8 @@ class RouterRuntime(ServiceRuntime):
                 continue
 
     async def stop(self) -> None:
+        if self.front is not None:
+            await self.front.stop()
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -84,6 +94,14 @@ class RouterRuntime(ServiceRuntime):
         if self.paused:
             raise Unavailable("router is paused")
         return await self.router.generate(session_key, body)
+
+    def stream(self, session_key: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        if self.paused:
+            raise Unavailable("router is paused")
+        return self.router.stream(session_key, body)
+
+    def end_session(self, session_key: str) -> bool:
+        return self.router.end_session(session_key)
 
     async def register_engine(self, url: str) -> list[int]:
         engine = await self.registry.register(url)
@@ -109,7 +127,10 @@ class RouterRuntime(ServiceRuntime):
             self.router.refresh_targets()
 
     def state(self) -> dict[str, Any]:
-        return self.router.state()
+        state = self.router.state()
+        if self.front is not None:
+            state["http_port"] = self.front.port
+        return state
 
     def admin_routes(self) -> APIRouter | None:
         from services.router.admin import admin_routes

@@ -9,6 +9,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import orjson
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.errors import InvalidRequest
@@ -38,14 +39,43 @@ def sampling_params(params: common_pb2.SamplingParams) -> dict[str, Any]:
     return out
 
 
+def json_object(raw: str | bytes, what: str) -> dict[str, Any]:
+    """`raw` parsed as a JSON object, or InvalidRequest naming `what`."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"{what} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{what} must be a JSON object")
+    return value
+
+
+def sglang_fields(text: str) -> dict[str, Any]:
+    """The pass-through fields of `sglang_fields_json` (a JSON object, or empty)."""
+    if not text:
+        return {}
+    fields = json_object(text, "sglang_fields_json")
+    if "stream" in fields or "input_ids" in fields or "text" in fields:
+        raise InvalidRequest("sglang_fields_json may not set stream, input_ids or text "
+                             "(Generate takes input_ids and answers once)")
+    extra = fields.get("sampling_params", {})
+    if not isinstance(extra, dict):
+        raise InvalidRequest("sglang_fields_json.sampling_params must be a JSON object")
+    return fields
+
+
 def generate_body(request: router_pb2.GenerateRequest) -> dict[str, Any]:
     if not request.input_ids:
         raise InvalidRequest("input_ids is empty")
+    fields = sglang_fields(request.sglang_fields_json)
+    params = sampling_params(request.sampling_params)
+    params.update(fields.pop("sampling_params", {}))
     return {
-        "input_ids": list(request.input_ids),
-        "sampling_params": sampling_params(request.sampling_params),
         "return_logprob": request.return_logprob,
         "rid": request.request_id or uuid.uuid4().hex,
+        **fields,
+        "input_ids": list(request.input_ids),
+        "sampling_params": params,
     }
 
 
@@ -107,3 +137,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def GetStatus(self, request: common_pb2.StatusRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> common_pb2.ServiceStatus:
         return status_message(self.runtime)
+
+    async def EndSession(self, request: router_pb2.EndSessionRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> router_pb2.EndSessionResponse:
+        if not request.session_key:
+            raise InvalidRequest("session_key is empty")
+        return router_pb2.EndSessionResponse(known=self.runtime.end_session(request.session_key))

@@ -21,6 +21,7 @@ class Engine:
     healthy: bool = True
     leaving: bool = False
     weight_version: str | None = None
+    max_running: int = 0  # per dp rank, from /get_server_info max_running_requests; 0 unknown
     health_failures: int = 0
     health_successes: int = 0
     num_ejections: int = 0
@@ -52,6 +53,8 @@ class Target:
     dp_rank: int
     in_flight: int = 0
     reported_tokens: int = 0
+    reported_waiting: int = 0
+    mean_call_s: float = 0.0  # moving average of the engine's own latency per call
     draining: bool = False
     num_assigned: int = 0
     call_failures: int = 0
@@ -90,6 +93,21 @@ class Target:
             return self.call_failures == open_after
         return False
 
+    def observe_latency(self, seconds: float) -> None:
+        previous = self.mean_call_s or seconds
+        self.mean_call_s = 0.9 * previous + 0.1 * seconds
+
+    def queue_delay_s(self, extra_calls: int = 1) -> float:
+        """Expected wait before `extra_calls` more calls start running here.
+
+        With a known `max_running` the router's own in-flight count says how many calls wait
+        (one slot frees every mean_call_s / max_running); otherwise the engine's last
+        reported waiting count. Continuous batching: no wait below the running cap.
+        """
+        cap = self.engine.max_running
+        waiting = max(0, self.in_flight + extra_calls - cap) if cap else self.reported_waiting
+        return waiting * self.mean_call_s / max(cap, 1)
+
     def view(self, current_version: int | None, open_after: int) -> dict[str, object]:
         """What the admin API and GetStatus show for this target."""
         e = self.engine
@@ -102,6 +120,8 @@ class Target:
             "version_current": self.version_ok(current_version),
             "circuit_open": not self.circuit_allows(open_after),
             "in_flight": self.in_flight, "reported_tokens": self.reported_tokens,
+            "reported_waiting": self.reported_waiting,
+            "mean_call_s": round(self.mean_call_s, 4),
             "requests": self.num_requests, "prompt_tokens": self.num_prompt_tokens,
             "cached_tokens": self.num_cached_tokens, "hit_rate": round(hit, 4),
             "ejections": e.num_ejections,

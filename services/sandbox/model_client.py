@@ -1,7 +1,8 @@
 """How the agent reaches a model: one small interface, two implementations.
 
 `RouterModelClient` calls the router's gRPC `Router.Generate` (the episode's sample id as
-session key, so every turn lands on the engine that caches its prefix). `ScriptedModelClient`
+session key, so every turn lands on the engine that caches its prefix) and `EndSession` when
+the episode ends, so the router places new episodes by the ones still live. `ScriptedModelClient`
 replays given assistant turns without any model; it is a test and benchmark tool (the oracle
 replays the task's solve.sh; the no-op policy declares completion at once) and is selected
 only by `model_client = "scripted"` in the sandbox config.
@@ -10,6 +11,7 @@ only by `model_client = "scripted"` in the sandbox config.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ class ModelClient(Protocol):
     async def close(self) -> None: ...
 
 
+log = logging.getLogger(__name__)
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -55,6 +58,7 @@ class RouterModelClient:
         self._stub: router_pb2_grpc.RouterStub | None = None
         self._timeout_s = timeout_s
         self._num_retries = num_retries
+        self._endings: set[asyncio.Task[None]] = set()
 
     async def generate(self, session_key: str, input_ids: list[int],
                        sampling: common_pb2.SamplingParams) -> GenerateResult:
@@ -77,7 +81,24 @@ class RouterModelClient:
         return GenerateResult(list(response.output_ids), logprobs, response.finish_reason,
                               int(response.weight_version))
 
+    def forget(self, session_key: str) -> None:
+        """The episode ended: tell the router in the background (it also expires idle ones)."""
+        if self._stub is None:
+            return  # no turn was generated: the router never saw this session
+        task = asyncio.get_running_loop().create_task(self._end_session(self._stub, session_key))
+        self._endings.add(task)
+        task.add_done_callback(self._endings.discard)
+
+    async def _end_session(self, stub: router_pb2_grpc.RouterStub, session_key: str) -> None:
+        try:
+            await stub.EndSession(router_pb2.EndSessionRequest(session_key=session_key),
+                                  timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("EndSession failed; the router expires the session when idle",
+                        extra={"session_key": session_key, "error": exc.code().name})
+
     async def close(self) -> None:
+        await asyncio.gather(*self._endings, return_exceptions=True)
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None

@@ -26,12 +26,19 @@ ADMIN_TOKEN = "router-test-admin-token"
 
 
 class RouterProcess:
-    """A router service process; `settings` are [router] keys (policy, max_load_skew...)."""
+    """A router service process; `settings` are [router] keys (policy, session_idle_s...).
 
-    def __init__(self, start_timeout_s: float = 30.0, **settings: Any) -> None:
+    `http_front` also serves the SGLang-compatible HTTP front, at `http_url`.
+    """
+
+    def __init__(self, start_timeout_s: float = 30.0, http_front: bool = False,
+                 **settings: Any) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="riptide-router-"))
-        grpc_port, admin_port = free_ports(2)
+        grpc_port, admin_port, http_port = free_ports(3)
         router = {"grpc_port": grpc_port, "admin_port": admin_port, **settings}
+        if http_front:
+            router["http_port"] = http_port
+        self.http_url = f"http://127.0.0.1:{http_port}" if http_front else ""
         lines = ["[run]", f'admin_token = "{ADMIN_TOKEN}"', 'log_format = "text"',
                  'log_level = "warning"', "[router]"]
         # JSON scalars and lists of strings are valid TOML values.
@@ -95,6 +102,10 @@ class RouterProcess:
                                              sampling_params=sampling,
                                              return_logprob=return_logprob)
         return self.stub().Generate(request, timeout=timeout_s)
+
+    def end_session(self, session_key: str) -> bool:
+        request = router_pb2.EndSessionRequest(session_key=session_key)
+        return bool(self.stub().EndSession(request, timeout=10).known)
 
     def targets(self) -> list[dict[str, Any]]:
         return list(self.admin.get("/admin/targets").raise_for_status().json()["targets"])

@@ -35,7 +35,9 @@ def _error(status: int, message: str) -> tuple[int, dict[str, Any]]:
 @dataclass
 class _Rank:
     cache: PrefixCache
+    slots: asyncio.Semaphore | None = None  # --max-running: calls beyond it wait
     num_running: int = 0
+    num_waiting: int = 0
     num_tokens: int = 0
 
 
@@ -54,7 +56,9 @@ class SimEngine:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.ranks = [_Rank(PrefixCache(args.cache_tokens)) for _ in range(args.dp_size)]
+        self.ranks = [_Rank(PrefixCache(args.cache_tokens),
+                            asyncio.Semaphore(args.max_running) if args.max_running else None)
+                      for _ in range(args.dp_size)]
         self.weight_version: str = args.weight_version
         self.totals = _Totals()
         self.fail_health = False
@@ -64,6 +68,7 @@ class SimEngine:
         self.running.set()
         self.abort_epoch = 0
         self._next_rank = 0
+        self.last_request: dict[str, Any] = {}
 
     async def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         route = self.routes.get(path)
@@ -79,6 +84,7 @@ class SimEngine:
             "model_path": "sim", "tp_size": 1, "dp_size": self.args.dp_size,
             "enable_dp_attention": self.args.dp_size > 1 and not self.args.no_dp_attention,
             "max_total_num_tokens": self.args.cache_tokens, "max_req_input_len": 1 << 20,
+            "max_running_requests": self.args.max_running or None,
             "internal_states": [{"dp_rank": i} for i in range(self.args.dp_size)],
             "version": "sim",
         }
@@ -97,7 +103,7 @@ class SimEngine:
         return 200, {"success": True, "message": "ok"}
 
     async def get_load(self, body: dict[str, Any]) -> tuple[int, Any]:
-        return 200, [{"dp_rank": i, "num_reqs": r.num_running, "num_waiting_reqs": 0,
+        return 200, [{"dp_rank": i, "num_reqs": r.num_running, "num_waiting_reqs": r.num_waiting,
                       "num_tokens": r.num_tokens} for i, r in enumerate(self.ranks)]
 
     async def flush_cache(self, body: dict[str, Any]) -> tuple[int, Any]:
@@ -124,6 +130,10 @@ class SimEngine:
         self.fail_status = int(body.get("fail_generate_status", self.fail_status))
         self.fail_count = int(body.get("fail_generate_count", -1 if self.fail_status else 0))
         return 200, {"fail_health": self.fail_health, "fail_generate_status": self.fail_status}
+
+    async def get_last_request(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """The body of the last /generate call, as it arrived (tests check pass-through)."""
+        return 200, self.last_request
 
     async def metrics(self, body: dict[str, Any]) -> tuple[int, Any]:
         t = self.totals
@@ -153,7 +163,10 @@ class SimEngine:
         if self.fail_status and self.fail_count != 0:
             self.fail_count -= 1
             return _error(self.fail_status, "simulated failure")
+        self.last_request = body
         ids = body.get("input_ids")
+        if ids is None and isinstance(body.get("text"), str):
+            ids = list(body["text"].encode())  # no tokenizer: one id per byte
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             return _error(400, "input_ids must be a non-empty list of token ids")
         rank_id = self._pick_rank(body)
@@ -162,14 +175,26 @@ class SimEngine:
         params = body.get("sampling_params") or {}
         started = time.monotonic()
         rank = self.ranks[rank_id]
-        cached = rank.cache.match(ids)
-        output, finish = self._sample(ids, params)
-        rank.num_running += 1
         rank.num_tokens += len(ids)
         try:
-            output, finish = await self._run(ids, cached, output, finish, rank)
+            if rank.slots is not None:
+                rank.num_waiting += 1
+                try:
+                    await rank.slots.acquire()
+                finally:
+                    rank.num_waiting -= 1
+            try:
+                cached = rank.cache.match(ids)
+                output, finish = self._sample(ids, params)
+                rank.num_running += 1
+                try:
+                    output, finish = await self._run(ids, cached, output, finish, rank)
+                finally:
+                    rank.num_running -= 1
+            finally:
+                if rank.slots is not None:
+                    rank.slots.release()
         finally:
-            rank.num_running -= 1
             rank.num_tokens -= len(ids)
         rank.cache.insert(ids + output)
         self._count(len(ids), cached, len(output), finish)
@@ -230,6 +255,7 @@ class SimEngine:
         "/get_weight_version": get_weight_version, "/update_weight_version": update_weight_version,
         "/get_load": get_load, "/flush_cache": flush_cache, "/pause_generation": pause,
         "/continue_generation": resume, "/metrics": metrics, "/sim/control": control,
+        "/sim/last_request": get_last_request,
     }
 
 
@@ -243,6 +269,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-tokens", type=int, default=65536, help="prefix cache per dp rank")
     p.add_argument("--prefill-s-per-token", type=float, default=2e-6)
     p.add_argument("--decode-s-per-token", type=float, default=2e-4)
+    p.add_argument("--max-running", type=int, default=0,
+                   help="calls running at once per dp rank (SGLang's max_running_requests); "
+                   "more wait in a queue; 0: no cap")
     p.add_argument("--batch-slowdown", type=float, default=0.0,
                    help="per-token latency grows by this fraction per other running request")
     p.add_argument("--weight-version", default="0")

@@ -22,14 +22,15 @@ class SimEngineProcess(ChildServer):
 
     def __init__(self, *, dp_size: int = 1, cache_tokens: int = 65536,
                  prefill_s_per_token: float = 2e-6, decode_s_per_token: float = 2e-4,
-                 batch_slowdown: float = 0.0, weight_version: str = "0",
+                 batch_slowdown: float = 0.0, max_running: int = 0, weight_version: str = "0",
                  dp_attention: bool = True, port: int = 0,
                  start_timeout_s: float = 15.0) -> None:
         cmd = [sys.executable, "-m", "services.testing.sim_engine", "--port", str(port),
                "--dp-size", str(dp_size), "--cache-tokens", str(cache_tokens),
                "--prefill-s-per-token", str(prefill_s_per_token),
                "--decode-s-per-token", str(decode_s_per_token),
-               "--batch-slowdown", str(batch_slowdown), "--weight-version", weight_version]
+               "--batch-slowdown", str(batch_slowdown), "--max-running", str(max_running),
+               "--weight-version", weight_version]
         if not dp_attention:
             cmd.append("--no-dp-attention")
         super().__init__(cmd, start_timeout_s)
@@ -37,6 +38,10 @@ class SimEngineProcess(ChildServer):
     def control(self, **settings: Any) -> dict[str, Any]:
         """POST /sim/control: fail_health, fail_generate_status, fail_generate_count."""
         return dict(httpx.post(f"{self.url}/sim/control", json=settings, timeout=5).json())
+
+    def last_request(self) -> dict[str, Any]:
+        """The body of the last /generate call the engine received."""
+        return dict(httpx.get(f"{self.url}/sim/last_request", timeout=5).json())
 
     def set_weight_version(self, version: str | int) -> None:
         httpx.post(f"{self.url}/update_weight_version", json={"new_version": str(version)},

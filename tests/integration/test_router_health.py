@@ -61,6 +61,7 @@ def test_ejection_and_readmission(engines: list[SimEngineProcess]) -> None:
         assert sick.url in served
         ejections = f'riptide_router_ejections_total{{engine="{sick.url}"}} 1.0'
         assert ejections in router.admin.get("/metrics").text
+        assert f"engine ejected url={sick.url}" in router.log_tail()
 
 
 def test_weight_version_gates_engines(engines: list[SimEngineProcess]) -> None:
@@ -104,6 +105,9 @@ def test_503_is_retried_elsewhere_but_500_is_not(engines: list[SimEngineProcess]
                 assert "not retried" in (exc.details() or "")
                 failures += 1
         assert failures >= 1 and router.state()["retries"] == retries
+        log = router.log_tail()  # text logs keep the structured fields
+        assert "generate failed" in log and f"engine={engines[0].url}" in log
+        assert "outcome=failed" in log and "answered 500" in log
 
 
 def test_dead_engine_loses_no_session_that_had_not_started_generating(

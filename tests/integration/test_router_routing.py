@@ -91,17 +91,35 @@ def test_drained_target_keeps_its_sessions_and_takes_no_new_ones(
     assert run_session(router, "drain-old", 1)[0][0] == first
 
 
-def test_spill_under_skew_is_bounded_and_counted(router: RouterProcess) -> None:
-    router.patch_config(max_load_skew=1.0, spill_min_in_flight=2)
-    ids = prompt()
-    with ThreadPoolExecutor(12) as pool:
-        replies = list(pool.map(lambda _: router.generate("hot", ids, max_new_tokens=300),
-                                range(12)))
-    targets = {f"{r.engine_url}@{r.dp_rank}" for r in replies}
-    assert len(targets) > 1  # one session's burst did not all land on its home
-    assert router.state()["spills"] > 0
-    text = router.admin.get("/metrics").text
-    assert "riptide_router_spills_total" in text
+def test_a_queued_session_moves_once_and_is_counted() -> None:
+    """Engines that run one call at a time: a session's burst queues at home, so it moves."""
+    small = start_sim_engines(2, max_running=1, decode_s_per_token=0.002)
+    try:
+        with RouterProcess(engine_urls=[e.url for e in small], min_calls_between_moves=4,
+                           reprefill_s_per_1k_tokens=0.0) as router:
+            ids = prompt()
+            router.generate("hot", ids, max_new_tokens=50)  # learns the call time
+            with ThreadPoolExecutor(8) as pool:
+                replies = list(pool.map(
+                    lambda _: router.generate("hot", ids, max_new_tokens=50), range(8)))
+            assert len({r.engine_url for r in replies}) == 2
+            moves = router.state()["load_moves"]
+            assert 1 <= moves <= 2  # at most once per 4 calls of the session
+            assert router.state()["spills"] == moves
+            assert "riptide_router_spills_total" in router.admin.get("/metrics").text
+    finally:
+        for engine in small:
+            engine.stop()
+
+
+def test_end_session_frees_the_session_and_unknown_ones_say_so(router: RouterProcess) -> None:
+    run_session(router, "ending", 1)
+    live = router.state()["active_sessions"]
+    assert router.end_session("ending") and not router.end_session("ending")
+    assert router.state()["active_sessions"] == live - 1
+    with pytest.raises(grpc.RpcError) as empty:
+        router.end_session("")
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_policy_switches_live(router: RouterProcess) -> None:

@@ -62,7 +62,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
             procs.append(proc)
             _wait(ready, proc, log)
         yield {"sandbox": f"127.0.0.1:{sandbox_grpc}",
-               "admin": f"http://127.0.0.1:{sandbox_admin}"}
+               "admin": f"http://127.0.0.1:{sandbox_admin}",
+               "router_admin": f"http://127.0.0.1:{router_admin}"}
     finally:
         for proc in reversed(procs):
             process.stop(proc)
@@ -91,3 +92,12 @@ def test_a_model_episode_keeps_tokens_exactly(stack: dict[str, str]) -> None:
     assert all(trajectory.weight_versions[i] == 3 for i in generated), "engine's weight version"
     assert all(trajectory.weight_versions[i] == -1 for i, m in enumerate(mask) if m == 0)
     assert mask[0] == 1, "the response starts with the model's first turn"
+    # The episode's end reached the router (EndSession): it no longer counts the session.
+    deadline = time.monotonic() + 10
+    while True:
+        state = httpx.get(f"{stack['router_admin']}/admin/state", timeout=5,
+                          headers={"authorization": f"Bearer {ADMIN}"}).json()["details"]
+        if state["sticky_sessions"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert state["sticky_sessions"] == 0 and state["active_sessions"] == 0

@@ -19,7 +19,7 @@ from services.router.targets import Target
 
 @dataclass
 class Choice:
-    """Where a call goes; `spilled` when load pushed it off its sticky target."""
+    """Where a call goes; `spilled` when load moved it off its sticky target."""
 
     target: Target
     spilled: bool = False
@@ -55,6 +55,14 @@ class Policy(ABC):
         """Called with every registered target (routable or not) when that set changes."""
         return None
 
+    def on_served(self, session_key: str, target: Target, context_tokens: int) -> None:
+        """Called after a served call: the session's context (prompt + output) is cached there."""
+        return None
+
+    def end_session(self, session_key: str) -> bool:
+        """The session is over; True when the policy still held it."""
+        return False
+
     def state(self) -> dict[str, Any]:
         """Policy-specific state for the admin API."""
         return {}
@@ -63,12 +71,13 @@ class Policy(ABC):
 def make_policy(name: str, config: RouterConfig) -> Policy:
     """The policy called `name`, configured from `config`."""
     from services.router.policies.consistent_hash import ConsistentHash
+    from services.router.policies.manual import Manual
     from services.router.policies.min_load import MinLoad
     from services.router.policies.round_robin import RoundRobin
     from services.router.policies.sticky_min_load import StickyMinLoad
 
     policies: dict[str, type[Policy]] = {
-        cls.name: cls for cls in (StickyMinLoad, ConsistentHash, MinLoad, RoundRobin)
+        cls.name: cls for cls in (StickyMinLoad, Manual, ConsistentHash, MinLoad, RoundRobin)
     }
     if name not in policies:
         from services.common.errors import ConfigError

@@ -1,15 +1,23 @@
-"""sticky_min_load (default): a session's first call goes to the least-loaded target and its
-later calls stick there, so each turn finds the previous turns' prefix in that target's cache.
+"""sticky_min_load (default): a session's first call goes to the target with the least live
+load and its later calls stick there, so each turn finds the previous turns' prefix in that
+target's cache. It trades cache for balance only where that pays.
 
-- The session -> target map is explicit, so adding engines moves no session.
-- New sessions go where the fewest *active* sessions live (a call within `session_idle_s`),
-  then the fewest calls in flight: a session between turns will be back, so counting only
-  in-flight calls would pile new sessions onto targets whose sessions are busy with tools.
-- When the sticky target is not routable (ejected, stale weights, circuit open, deregistered)
-  the session moves once, to the least-loaded target, and sticks to its new home.
-- Bounded load: when the sticky target would carry more than `max_load_skew` x the mean
-  in-flight load (and at least `spill_min_in_flight` calls), this one call spills to the
-  least-loaded target; the session keeps its home.
+- Live load = the calls a target can expect in flight: the sum, over the sessions live on
+  it, of each session's share of time spent in a call (measured from its own calls: an
+  agent in long tool calls weighs less than one generating long outputs, and sessions on a
+  slower or queueing engine weigh more). A session is live from its first call until
+  `EndSession` (the sandbox sends it when an episode ends) or, as a safety net, until it
+  made no call for `session_idle_s`.
+- Move for load only at a gain: the session moves to the least-delayed target when the
+  expected queueing delay at home exceeds the delay there plus the cost of prefilling the
+  session's cached context again (`reprefill_s_per_1k_tokens`). Queueing delay comes from
+  the engine's `max_running_requests` and the router's in-flight count (or the engine's
+  reported waiting requests) and its measured latency per call: below the running cap a
+  continuous-batching engine queues nothing, so nothing moves. A session moves at most once
+  per `min_calls_between_moves` of its calls. The moved session makes its new target home,
+  so its next turn hits there rather than missing at both.
+- When the home target is not routable (ejected, stale weights, circuit open, deregistered)
+  the session moves to the least-loaded target and sticks to its new home.
 - A draining target keeps serving the sessions it already has and takes no new ones.
 - Calls without a session key are routed by least load and remembered nowhere.
 """
@@ -21,26 +29,42 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from services.router.policies.base import Choice, Policy, accepting_new, least_loaded
+from services.router.policies.base import Choice, Policy, accepting_new
 from services.router.targets import Target
 
 
+class _Session:
+    __slots__ = ("target", "seen", "ended", "duty", "live", "context_tokens",
+                 "calls_since_move")
+
+    def __init__(self, target: Target, now: float, duty: float) -> None:
+        self.target = target
+        self.seen = now      # its last call started
+        self.ended = 0.0     # its last call ended (0: not yet)
+        self.duty = duty     # share of its time in a call
+        self.live = False
+        self.context_tokens = 0
+        self.calls_since_move = 0
+
+
 class StickyMinLoad(Policy):
-    """Sticky per session, least-loaded for new sessions, bounded-load spill."""
+    """Sticky per session; new sessions by live load; moves only when queueing costs more."""
 
     name = "sticky_min_load"
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        # Both ordered oldest first; a session idle for session_idle_s moves to `idle`.
-        self.active: OrderedDict[str, tuple[Target, float]] = OrderedDict()
-        self.idle: OrderedDict[str, Target] = OrderedDict()
-        self.num_active: dict[int, int] = {}
+        # Both oldest call first; a live session idle for session_idle_s leaves `live`.
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.live: OrderedDict[str, _Session] = OrderedDict()
+        self.expected: dict[int, float] = {}  # target -> expected calls in flight
+        self.mean_duty = 0.5
         self.num_moves = 0
+        self.num_load_moves = 0
 
     def home_of(self, session_key: str) -> Target | None:
-        entry = self.active.get(session_key)
-        return entry[0] if entry is not None else self.idle.get(session_key)
+        session = self.sessions.get(session_key)
+        return session.target if session is not None else None
 
     def select(self, session_key: str, candidates: Sequence[Target]) -> Choice | None:
         now = time.monotonic()
@@ -48,67 +72,109 @@ class StickyMinLoad(Policy):
         if not session_key:
             target = self._least_loaded(accepting_new(candidates))
             return Choice(target) if target is not None else None
-        home = self.home_of(session_key)
-        if home is not None and any(t is home for t in candidates):
-            self._touch(session_key, home, now)
-            return self._maybe_spill(home, candidates)
+        session = self.sessions.get(session_key)
+        if session is not None and any(t is session.target for t in candidates):
+            better = self._worth_moving(session, candidates)
+            if better is None:
+                self._touch(session_key, session, session.target, now)
+                return Choice(session.target)
+            self.num_load_moves += 1
+            self._touch(session_key, session, better, now)
+            return Choice(better, spilled=True)
         target = self._least_loaded(accepting_new(candidates))
         if target is None:
             return None
-        self.num_moves += home is not None
-        self._touch(session_key, target, now)
+        if session is not None:
+            self.num_moves += 1
+        self._touch(session_key, session, target, now)
         return Choice(target)
 
-    def _least_loaded(self, targets: Sequence[Target]) -> Target | None:
-        if not targets:
-            return None
-        fewest = min(self.num_active.get(id(t), 0) for t in targets)
-        return least_loaded([t for t in targets if self.num_active.get(id(t), 0) == fewest])
+    def _load(self, target: Target) -> tuple[float, int, int, int]:
+        return (round(self.expected.get(id(target), 0.0), 6), target.in_flight,
+                target.reported_tokens, target.num_assigned)
 
-    def _touch(self, key: str, target: Target, now: float) -> None:
-        previous = self.active.pop(key, None)
-        if previous is not None:
-            self.num_active[id(previous[0])] -= 1
-        self.idle.pop(key, None)
-        self.active[key] = (target, now)
-        self.num_active[id(target)] = self.num_active.get(id(target), 0) + 1
-        while len(self.active) + len(self.idle) > self.config.max_sticky_sessions:
-            if self.idle:
-                self.idle.popitem(last=False)
-            else:
-                self._retire(*self.active.popitem(last=False))
+    def _least_loaded(self, targets: Sequence[Target]) -> Target | None:
+        best = min(targets, key=self._load, default=None)
+        if best is not None:
+            best.num_assigned += 1
+        return best
+
+    def _worth_moving(self, session: _Session, candidates: Sequence[Target]) -> Target | None:
+        home = session.target
+        if session.calls_since_move < self.config.min_calls_between_moves:
+            return None
+        delay_home = home.queue_delay_s()
+        if delay_home <= 0:
+            return None
+        others = [t for t in accepting_new(candidates) if t is not home]
+        best = min(others, key=lambda t: (t.queue_delay_s(), self._load(t)), default=None)
+        if best is None:
+            return None
+        reprefill_s = session.context_tokens / 1000 * self.config.reprefill_s_per_1k_tokens
+        return best if delay_home > best.queue_delay_s() + reprefill_s else None
+
+    def _touch(self, key: str, session: _Session | None, target: Target, now: float) -> None:
+        if session is None:
+            session = _Session(target, now, self.mean_duty)
+        else:
+            self.sessions.move_to_end(key)
+            if session.live:
+                self._weigh(session, -1)
+            if session.ended > session.seen:  # its previous call is over: how busy was it?
+                busy = session.ended - session.seen
+                sample = busy / max(busy + now - session.ended, 1e-9)
+                session.duty = 0.5 * session.duty + 0.5 * sample
+                self.mean_duty = 0.95 * self.mean_duty + 0.05 * sample
+            if session.target is not target:
+                session.target, session.calls_since_move = target, 0
+            session.seen = now
+        session.live = True
+        self._weigh(session, 1)
+        session.calls_since_move += 1
+        self.sessions[key] = session
+        self.live.pop(key, None)
+        self.live[key] = session
+        while len(self.sessions) > self.config.max_sticky_sessions:
+            self._forget(next(iter(self.sessions)))
+
+    def _weigh(self, session: _Session, sign: int) -> None:
+        key = id(session.target)
+        self.expected[key] = self.expected.get(key, 0.0) + sign * session.duty
+
+    def _forget(self, key: str) -> bool:
+        session = self.sessions.pop(key, None)
+        if session is None:
+            return False
+        self.live.pop(key, None)
+        if session.live:
+            self._weigh(session, -1)
+        return True
 
     def _expire(self, now: float) -> None:
         cutoff = now - self.config.session_idle_s
-        while self.active:
-            key, (target, seen) = next(iter(self.active.items()))
-            if seen >= cutoff:
+        while self.live:
+            session = next(iter(self.live.values()))
+            if session.seen >= cutoff:
                 break
-            del self.active[key]
-            self._retire(key, (target, seen))
-            self.idle[key] = target
+            self.live.popitem(last=False)
+            session.live = False
+            self._weigh(session, -1)
 
-    def _retire(self, key: str, entry: tuple[Target, float]) -> None:
-        self.num_active[id(entry[0])] -= 1
+    def on_served(self, session_key: str, target: Target, context_tokens: int) -> None:
+        session = self.sessions.get(session_key)
+        if session is not None and session.target is target:
+            session.context_tokens = context_tokens
+            session.ended = time.monotonic()
 
-    def _maybe_spill(self, home: Target, candidates: Sequence[Target]) -> Choice:
-        load = home.in_flight + 1
-        mean = (sum(t.in_flight for t in candidates) + 1) / len(candidates)
-        if load < self.config.spill_min_in_flight or load <= self.config.max_load_skew * mean:
-            return Choice(home)
-        others = [t for t in accepting_new(candidates) if t is not home]
-        best = min(others, key=lambda t: (t.in_flight, t.reported_tokens), default=None)
-        if best is None or best.in_flight + 1 >= load:
-            return Choice(home)
-        return Choice(best, spilled=True)
+    def end_session(self, session_key: str) -> bool:
+        return self._forget(session_key)
 
     def on_targets_changed(self, targets: Sequence[Target]) -> None:
         alive = {id(t) for t in targets}
-        for key in [k for k, (t, _) in self.active.items() if id(t) not in alive]:
-            self._retire(key, self.active.pop(key))
-        for key in [k for k, t in self.idle.items() if id(t) not in alive]:
-            del self.idle[key]
+        for key in [k for k, s in self.sessions.items() if id(s.target) not in alive]:
+            self._forget(key)
 
     def state(self) -> dict[str, Any]:
-        return {"sticky_sessions": len(self.active) + len(self.idle),
-                "active_sessions": len(self.active), "session_moves": self.num_moves}
+        return {"sticky_sessions": len(self.sessions),
+                "active_sessions": len(self.live),
+                "session_moves": self.num_moves, "load_moves": self.num_load_moves}

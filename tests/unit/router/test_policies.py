@@ -12,11 +12,11 @@ from services.router.config import RouterConfig
 from services.router.policies import make_policy
 from services.router.targets import Engine, Target
 
-POLICIES = ("sticky_min_load", "consistent_hash", "min_load", "round_robin")
+POLICIES = ("sticky_min_load", "manual", "consistent_hash", "min_load", "round_robin")
 
 
-def make_targets(n: int) -> list[Target]:
-    return [Target(Engine(url=f"http://e{i}:1"), 0) for i in range(n)]
+def make_targets(n: int, max_running: int = 0) -> list[Target]:
+    return [Target(Engine(url=f"http://e{i}:1", max_running=max_running), 0) for i in range(n)]
 
 
 def policy(name: str, targets: list[Target], **settings: object):  # type: ignore[no-untyped-def]
@@ -104,27 +104,87 @@ def test_sticky_moves_once_when_home_is_unroutable_and_sticks_to_new_home() -> N
     assert p.state()["session_moves"] == 1
 
 
-def test_sticky_spills_when_home_exceeds_skew_and_keeps_home() -> None:
-    targets = make_targets(4)
-    p = policy("sticky_min_load", targets, max_load_skew=1.5, spill_min_in_flight=2)
+def test_sticky_ended_sessions_stop_counting_for_placement() -> None:
+    targets = make_targets(2)
+    p = policy("sticky_min_load", targets)
+    a = p.select("a", targets).target
+    b = p.select("b", targets).target
+    assert p.end_session("a") and not p.end_session("a")
+    assert p.state()["active_sessions"] == 1 and p.state()["sticky_sessions"] == 1
+    b.num_assigned = 0  # the tie-break would favour b: only the live count decides
+    assert p.select("c", targets).target is a
+
+
+def test_sticky_new_sessions_avoid_targets_whose_calls_are_in_flight() -> None:
+    targets = make_targets(2)
+    p = policy("sticky_min_load", targets)
+    a = p.select("a", targets).target
+    b = p.select("b", targets).target
+    assert a is not b
+    a.in_flight = 3  # same live sessions, but a's are generating
+    assert p.select("c", targets).target is b
+
+
+def _loaded_home(p, targets: list[Target], context_tokens: int):  # type: ignore[no-untyped-def]
     home = p.select("s", targets).target
-    home.in_flight = 8
+    p.on_served("s", home, context_tokens)
     for t in targets:
-        if t is not home:
-            t.in_flight = 2
-    choice = p.select("s", targets)
-    assert choice.spilled and choice.target is not home
-    home.in_flight = 2  # back under 1.5 x mean
-    assert p.select("s", targets).target is home
+        t.mean_call_s = 1.0
+    return home
 
 
-def test_sticky_does_not_spill_below_min_in_flight() -> None:
-    targets = make_targets(4)
-    p = policy("sticky_min_load", targets, max_load_skew=1.0, spill_min_in_flight=5)
-    home = p.select("s", targets).target
-    home.in_flight = 3
+def test_sticky_moves_only_when_queueing_at_home_costs_more_than_reprefill() -> None:
+    targets = make_targets(2, max_running=4)
+    p = policy("sticky_min_load", targets, min_calls_between_moves=1,
+               reprefill_s_per_1k_tokens=0.1)
+    home = _loaded_home(p, targets, context_tokens=8000)  # re-prefill: 0.8 s
+    home.in_flight = 6  # 3 calls ahead of this one wait: 0.75 s < 0.8 s
     choice = p.select("s", targets)
     assert choice.target is home and not choice.spilled
+    home.in_flight = 8  # 5 wait: 1.25 s > 0.8 s
+    choice = p.select("s", targets)
+    assert choice.spilled and choice.target is not home
+    assert p.home_of("s") is choice.target  # moved, not spilled for one call
+    assert p.state()["load_moves"] == 1
+
+
+def test_sticky_never_moves_below_the_running_cap_or_without_one() -> None:
+    capped = make_targets(2, max_running=16)
+    p = policy("sticky_min_load", capped, min_calls_between_moves=1)
+    home = _loaded_home(p, capped, context_tokens=100)
+    home.in_flight = 15  # a continuous-batching engine runs it at once
+    assert p.select("s", capped).target is home
+    unknown = make_targets(2)
+    p = policy("sticky_min_load", unknown, min_calls_between_moves=1)
+    home = _loaded_home(p, unknown, context_tokens=100)
+    home.in_flight = 50
+    assert p.select("s", unknown).target is home
+
+
+def test_sticky_caps_how_often_a_session_moves() -> None:
+    targets = make_targets(2, max_running=1)
+    p = policy("sticky_min_load", targets, min_calls_between_moves=3,
+               reprefill_s_per_1k_tokens=0.0)
+    home = _loaded_home(p, targets, context_tokens=0)
+    home.in_flight = 10
+    homes = [p.select("s", targets).target for _ in range(2)]
+    assert homes == [home, home]  # 3 calls at home before the first move
+    moved = p.select("s", targets).target
+    assert moved is not home
+    moved.in_flight, home.in_flight = 10, 0
+    assert [p.select("s", targets).target for _ in range(2)] == [moved, moved]
+    assert p.select("s", targets).target is home
+    assert p.state()["load_moves"] == 2
+
+
+def test_manual_assigns_by_in_flight_then_sticks_without_a_load_bound() -> None:
+    targets = make_targets(3)
+    targets[0].in_flight, targets[1].in_flight, targets[2].in_flight = 3, 0, 2
+    p = policy("manual", targets)
+    assert p.select("s", targets).target is targets[1]
+    targets[1].in_flight = 99
+    assert p.select("s", targets).target is targets[1]
+    assert p.select("s", [targets[0], targets[2]]).target is targets[2]
 
 
 def test_sticky_draining_home_keeps_its_sessions() -> None:
@@ -175,3 +235,19 @@ def test_round_robin_cycles_over_targets() -> None:
     p = policy("round_robin", targets)
     picks = [p.select("same-session", targets).target for _ in range(6)]
     assert picks[:3] == picks[3:] and len({id(t) for t in picks}) == 3
+
+
+def test_sticky_weighs_sessions_by_their_share_of_time_in_calls() -> None:
+    targets = make_targets(2)
+    p = policy("sticky_min_load", targets)
+    busy = p.select("busy", targets).target
+    idle = p.select("idle", targets).target
+    for _ in range(2):
+        time.sleep(0.03)  # "busy" spends its time in calls, "idle" between them
+        p.on_served("busy", busy, 100)
+        p.on_served("idle", idle, 100)
+        p.select("busy", targets)
+        time.sleep(0.03)
+        p.select("idle", targets)
+    busy.num_assigned = idle.num_assigned = 0
+    assert p.select("new", targets).target is idle

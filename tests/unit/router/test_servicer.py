@@ -33,3 +33,23 @@ def test_generate_body_forwards_ids_logprob_flag_and_request_id() -> None:
 def test_empty_input_is_rejected() -> None:
     with pytest.raises(InvalidRequest):
         generate_body(router_pb2.GenerateRequest(session_key="x"))
+
+
+def test_sglang_fields_pass_through_and_add_to_sampling_params() -> None:
+    request = router_pb2.GenerateRequest(
+        input_ids=[1, 2], sampling_params=common_pb2.SamplingParams(max_new_tokens=4),
+        sglang_fields_json='{"logprob_start_len": 0, "top_logprobs_num": 3, '
+                           '"lora_path": "a", "sampling_params": {"frequency_penalty": 0.5, '
+                           '"json_schema": "{}"}}')
+    body = generate_body(request)
+    assert body["logprob_start_len"] == 0 and body["top_logprobs_num"] == 3
+    assert body["lora_path"] == "a" and body["input_ids"] == [1, 2]
+    assert body["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 4,
+                                       "frequency_penalty": 0.5, "json_schema": "{}"}
+
+
+@pytest.mark.parametrize("fields", ["not json", "[1]", '{"stream": true}',
+                                    '{"sampling_params": 3}'])
+def test_bad_sglang_fields_are_rejected(fields: str) -> None:
+    with pytest.raises(InvalidRequest):
+        generate_body(router_pb2.GenerateRequest(input_ids=[1], sglang_fields_json=fields))

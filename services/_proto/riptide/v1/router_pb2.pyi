@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_key", "input_ids", "sampling_params", "return_logprob", "request_id")
+    __slots__ = ("session_key", "input_ids", "sampling_params", "return_logprob", "request_id", "sglang_fields_json")
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SGLANG_FIELDS_JSON_FIELD_NUMBER: _ClassVar[int]
     session_key: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
     return_logprob: bool
     request_id: str
-    def __init__(self, session_key: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    sglang_fields_json: str
+    def __init__(self, session_key: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., request_id: _Optional[str] = ..., sglang_fields_json: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("output_ids", "output_logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "weight_version", "engine_url", "dp_rank", "engine_latency_s")
@@ -76,3 +78,15 @@ class SetWeightVersionRequest(_message.Message):
 class SetWeightVersionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class EndSessionRequest(_message.Message):
+    __slots__ = ("session_key",)
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    session_key: str
+    def __init__(self, session_key: _Optional[str] = ...) -> None: ...
+
+class EndSessionResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...

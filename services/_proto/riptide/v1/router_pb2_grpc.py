@@ -61,6 +61,11 @@ class RouterStub:
                 request_serializer=riptide_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
                 response_deserializer=riptide_dot_v1_dot_common__pb2.ServiceStatus.FromString,
                 _registered_method=True)
+        self.EndSession = channel.unary_unary(
+                '/riptide.v1.Router/EndSession',
+                request_serializer=riptide_dot_v1_dot_router__pb2.EndSessionRequest.SerializeToString,
+                response_deserializer=riptide_dot_v1_dot_router__pb2.EndSessionResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -98,6 +103,13 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndSession(self, request, context):
+        """The session (episode) is over: its target stops counting it as live.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +137,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=riptide_dot_v1_dot_common__pb2.StatusRequest.FromString,
                     response_serializer=riptide_dot_v1_dot_common__pb2.ServiceStatus.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=riptide_dot_v1_dot_router__pb2.EndSessionRequest.FromString,
+                    response_serializer=riptide_dot_v1_dot_router__pb2.EndSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +280,33 @@ class Router:
             '/riptide.v1.Router/GetStatus',
             riptide_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
             riptide_dot_v1_dot_common__pb2.ServiceStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/riptide.v1.Router/EndSession',
+            riptide_dot_v1_dot_router__pb2.EndSessionRequest.SerializeToString,
+            riptide_dot_v1_dot_router__pb2.EndSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

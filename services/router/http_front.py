@@ -1,0 +1,167 @@
+"""The router's SGLang-compatible HTTP front: what a client of sglang-router talks to.
+
+`POST /generate` takes SGLang's native body (`text` or `input_ids`, `stream`, and every other
+field, which goes to the engine untouched; the router only adds `routed_dp_rank` for a
+DP-attention engine). The session (routing) key comes from the `X-SMG-Routing-Key` header
+(sglang-router's manual policy), else `X-Session-ID`, else the body's `routing_key`. A
+streamed call answers SSE `data: ...` lines exactly as the engine sends them. `/health`,
+`/get_server_info`, `/get_model_info` and `/v1/models` answer from a routable engine.
+`POST /end_session {"session_key": ...}` is the HTTP twin of the gRPC EndSession.
+
+Served by uvicorn on the router's own event loop; started and stopped by RouterRuntime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from services.common.errors import InvalidRequest, RiptideError, Unavailable
+from services.router.servicer import json_object
+
+if TYPE_CHECKING:
+    from services.router.server import RouterRuntime
+
+log = logging.getLogger(__name__)
+_KEY_HEADERS = ("x-smg-routing-key", "x-session-id")
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+def _error(exc: RiptideError) -> Response:
+    # SGLang's error shape, so its clients read the message where they expect it.
+    return _json({"object": "error", "message": str(exc), "type": type(exc).__name__,
+                  "code": exc.http_status}, exc.http_status)
+
+
+def routing_key(headers: Any, body: dict[str, Any]) -> str:
+    """The session key of a call: header, then header, then the body's `routing_key`."""
+    for name in _KEY_HEADERS:
+        value = headers.get(name)
+        if value:
+            return str(value)
+    key = body.get("routing_key")
+    return str(key) if key else ""
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    body = json_object(await request.body(), "the body")
+    if body.get("text") is None and body.get("input_ids") is None:
+        raise InvalidRequest("give text or input_ids")
+    return body
+
+
+def build_front(runtime: RouterRuntime) -> Starlette:
+    """The Starlette app of the HTTP front."""
+
+    async def generate(request: Request) -> Response:
+        try:
+            body = await _body(request)
+            key = routing_key(request.headers, body)
+            if not body.get("stream"):
+                routed = await runtime.generate(key, body)
+                return _json(routed.body)
+            lines = runtime.stream(key, body)
+            first = await anext(lines)  # routing errors still get their status code
+        except RiptideError as exc:
+            return _error(exc)
+        return StreamingResponse(_chain(first, lines), media_type="text/event-stream")
+
+    async def end_session(request: Request) -> Response:
+        try:
+            key = json_object(await request.body(), "the body").get("session_key")
+            if not key:
+                raise InvalidRequest('give {"session_key": "..."}')
+        except RiptideError as exc:
+            return _error(exc)
+        return _json({"known": runtime.end_session(str(key))})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if runtime.router.candidates(set()) else 503)
+
+    async def engine_info(request: Request) -> Response:
+        try:
+            return _json(await _from_engine(runtime, request.url.path))
+        except RiptideError as exc:
+            return _error(exc)
+
+    async def models(request: Request) -> Response:
+        try:
+            info = await _from_engine(runtime, "/get_model_info")
+        except RiptideError as exc:
+            return _error(exc)
+        name = info.get("served_model_name") or info.get("model_path") or "default"
+        return _json({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "riptide",
+             "root": info.get("model_path")}]})
+
+    return Starlette(routes=[
+        Route("/generate", generate, methods=["POST"]),
+        Route("/end_session", end_session, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health, methods=["GET"]),
+        Route("/get_server_info", engine_info, methods=["GET"]),
+        Route("/get_model_info", engine_info, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+    ])
+
+
+async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    try:
+        async for line in rest:
+            yield line
+    except RiptideError as exc:  # the status line is sent: the error travels in-stream
+        yield b"data: " + orjson.dumps({"error": {"message": str(exc)}}) + b"\n\n"
+
+
+async def _from_engine(runtime: RouterRuntime, path: str) -> dict[str, Any]:
+    for target in runtime.router.candidates(set()):
+        try:
+            info = await runtime.client.get_json(target.engine.url, path,
+                                                 runtime.config.health_timeout_s)
+        except (httpx.HTTPError, ValueError):
+            continue
+        if isinstance(info, dict):
+            return info
+    raise Unavailable(f"no routable engine answered {path}")
+
+
+class HttpFront:
+    """The front's uvicorn server, on the running event loop."""
+
+    def __init__(self, runtime: RouterRuntime, host: str, port: int) -> None:
+        config = uvicorn.Config(build_front(runtime), host=host, port=port, log_level="warning",
+                                access_log=False, lifespan="off", timeout_keep_alive=600)
+        self.server = uvicorn.Server(config)
+        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+        self._task: asyncio.Task[None] | None = None
+        self.port = port
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.server.serve(), name="router-http-front")
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()
+                raise Unavailable("the HTTP front stopped while starting")
+            await asyncio.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        log.info("HTTP front serving", extra={"http_port": self.port})
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
