@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.engine_client import EngineCallFailed, EngineClient, EngineNotReached
 from services.common.errors import RiptideError, Unavailable
 from services.router import metrics
 from services.router.config import RouterConfig
-from services.router.engine_client import EngineCallFailed, EngineClient, EngineNotReached
 from services.router.health import HealthChecker
 from services.router.policies import Choice, Policy, make_policy
 from services.router.registry import EngineRegistry

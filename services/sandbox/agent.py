@@ -58,7 +58,7 @@ class TokenTrace:
         self.response_ids += result.output_ids
         self.loss_mask += [1] * count
         self.logprobs += logprobs
-        self.weight_versions += [result.weight_version] * count
+        self.weight_versions += result.token_versions()
 
     def add_context(self, ids: list[int]) -> None:
         self.response_ids += ids

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -31,6 +31,15 @@ class GenerateResult:
     output_logprobs: list[float]
     finish_reason: str  # stop, length or abort
     weight_version: int
+    # Per output id, where the engine told (spans over an in-place update); else empty and
+    # every id has weight_version.
+    weight_versions: list[int] = field(default_factory=list)
+
+    def token_versions(self) -> list[int]:
+        """The weight version of each output id."""
+        if len(self.weight_versions) == len(self.output_ids):
+            return list(self.weight_versions)
+        return [self.weight_version] * len(self.output_ids)
 
 
 class ModelClient(Protocol):
@@ -75,7 +84,8 @@ class RouterModelClient:
                 raise _riptide_error(exc) from None
         logprobs = list(response.output_logprobs) or [0.0] * len(response.output_ids)
         return GenerateResult(list(response.output_ids), logprobs, response.finish_reason,
-                              int(response.weight_version))
+                              int(response.weight_version),
+                              list(response.output_weight_versions))
 
     async def close(self) -> None:
         if self._channel is not None:
