@@ -140,9 +140,20 @@ class EngineClient:
         _, info = await self._detect(url, timeout_s)
         return dict(info) if isinstance(info, dict) else {}
 
-    async def model_info(self, url: str, timeout_s: float | None = None) -> dict[str, Any]:
+    async def _read(self, url: str, route: str, timeout_s: float | None) -> Any:
+        """GET the contract's route for `route`; a 404 means the engine changed (a restart
+        as another version): learn its contract again and retry once."""
         contract = await self.contract(url, timeout_s)
-        info = await self._call("GET", url, contract.model_info_path, timeout_s=timeout_s)
+        try:
+            return await self._call("GET", url, getattr(contract, route), timeout_s=timeout_s)
+        except EngineCallError as exc:
+            if exc.status != 404:
+                raise
+        contract = await self.detect(url, timeout_s)
+        return await self._call("GET", url, getattr(contract, route), timeout_s=timeout_s)
+
+    async def model_info(self, url: str, timeout_s: float | None = None) -> dict[str, Any]:
+        info = await self._read(url, "model_info_path", timeout_s)
         return dict(info) if isinstance(info, dict) else {}
 
     async def weight_version(self, url: str, timeout_s: float | None = None) -> str:
@@ -157,8 +168,7 @@ class EngineClient:
 
     async def load(self, url: str, timeout_s: float | None = 5.0) -> list[EngineLoad]:
         """The load of every dp rank."""
-        contract = await self.contract(url, timeout_s)
-        return parse_loads(await self._call("GET", url, contract.load_path, timeout_s=timeout_s))
+        return parse_loads(await self._read(url, "load_path", timeout_s))
 
     # -- generation --------------------------------------------------------------------
     async def generate(self, url: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -117,9 +117,9 @@ class EngineFleet:
                 member.state, member.error = "failed", "not healthy before start_timeout_s"
                 return
             await asyncio.sleep(0.2)
+        info = await self.client.server_info(member.url)  # also learns its SGLang contract
         if self.config.kind == "attach":
-            member.ranks = self.config.ranks_per_engine or int(
-                (await self.client.server_info(member.url)).get("tp_size", 1))
+            member.ranks = self.config.ranks_per_engine or int(info.get("tp_size", 1))
         member.error = None
         if self.current_version == self.initial_version:
             await self._register(member)

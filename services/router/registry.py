@@ -56,6 +56,10 @@ class EngineRegistry:
         if existing is not None:
             # Registered again (a restart, or while draining out): keep it, re-read its version.
             existing.leaving = False
+            try:  # it may have come back as another SGLang version
+                await self.client.detect(url, self.probe_timeout_s)
+            except EngineCallError as exc:
+                raise Unavailable(f"cannot register {url}: {exc}") from exc
             existing.weight_version = await self.read_version(url)
             self.notify()
             return existing

@@ -198,3 +198,14 @@ def test_rollout_fleet_reads_the_current_contract() -> None:
     member = run(go())
     assert member.ranks == 2 and member.state == "ready"
     assert [rank["num_reqs"] for rank in member.load] == [4, 0]
+
+
+def test_an_engine_that_comes_back_older_is_learned_again() -> None:
+    engines, seen = client("current")
+
+    async def go() -> Any:
+        assert (await engines.detect(URL)).mode == "current"
+        seen.routes = FIXTURES["deprecated"]  # restarted at the same address, older
+        return await engines.weight_version(URL), engines.contracts[URL].mode
+
+    assert run(go()) == ("3", "deprecated")
