@@ -8,12 +8,13 @@ order of `names` and only then loads them all by Hugging Face name, and
 A broadcast whose order does not match `names` sends tensors of other sizes than announced.
 gloo checks a received size only against the buffer it lands in, and a larger message kills
 the process (`gloo::EnforceNotMet` thrown on its transport thread). So over gloo each tensor is
-received into a buffer wide enough for any announced tensor in any dtype, pre-filled with a
-pattern every engine derives alike from the request (tree forwarding between engine ranks
-then stays consistent): a pattern overwritten past the expected end means a larger tensor
-arrived, an intact pattern at its end a smaller one. Either is a 400 once every broadcast of
-the request is consumed, and no weight is loaded. NCCL needs equal counts on every rank, so
-there the buffers stay exact.
+received into a buffer wide enough for any announced tensor (twice over, for a wider dtype),
+with a pattern every engine derives alike from the request (tree forwarding between engine
+ranks then stays consistent) written around the expected end: a pattern overwritten past the
+end means a larger tensor arrived, an intact pattern before it a smaller one. Either is a 400
+once every broadcast of the request is consumed, and no weight is loaded (a tensor larger
+than the buffer still ends the process, as gloo does). NCCL needs equal counts on every
+rank, so there the buffers stay exact.
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ class WeightUpdater:
         else:
             specs = list(zip(dtypes, req.shapes, strict=True))
         nbytes = [int(torch.Size(shape).numel()) * dtype.itemsize for dtype, shape in specs]
-        receiver = _CheckedReceiver(group, device, max(nbytes) * 8, _pattern(req)) \
+        # Room for any announced tensor, even sent in a dtype twice as wide.
+        receiver = _CheckedReceiver(group, device, 2 * max(nbytes), _pattern(req)) \
             if checked else None
         received, wrong = [], []
         for index, (dtype, shape) in enumerate(specs):
@@ -197,29 +199,31 @@ def _pattern(req: UpdateWeightsRequest) -> bytes:
 
 
 class _CheckedReceiver:
-    """Receives gloo broadcasts into one wide, pattern-filled byte buffer (see the docstring)."""
+    """Receives gloo broadcasts into one wide byte buffer with a pattern around each expected
+    end (see the module docstring). Only that window is written before each receive."""
 
     _PROBE = 16  # bytes compared on each side of the expected end
 
     def __init__(self, group: Any, device: torch.device, capacity: int, pattern: bytes) -> None:
         self.group = group
-        capacity += self._PROBE
-        reps = -(-capacity // len(pattern))
-        self.fill = torch.frombuffer(bytearray(pattern * reps), dtype=torch.uint8)[:capacity]
-        self.fill = self.fill.to(device)
-        self.buffer = torch.empty_like(self.fill)
+        self.pattern = torch.frombuffer(bytearray((pattern * 2)[: 2 * self._PROBE]),
+                                        dtype=torch.uint8).to(device)
+        self.buffer = torch.empty(capacity + self._PROBE, dtype=torch.uint8, device=device)
 
     def receive(self, dtype: torch.dtype, shape: list[int],
                 nbytes: int) -> tuple[torch.Tensor, str]:
-        self.buffer.copy_(self.fill)
-        weight_group.broadcast_tensor(self.buffer, self.group)
         probe = self._PROBE
-        after = slice(nbytes, nbytes + probe)
-        before = slice(max(0, nbytes - probe), nbytes)
+        start = max(0, nbytes - probe)
+        window = slice(start, nbytes + probe)
+        self.buffer[window] = self.pattern[probe - (nbytes - start):]
+        expected = self.buffer[window].clone()
+        weight_group.broadcast_tensor(self.buffer, self.group)
+        got = self.buffer[window]
+        split = nbytes - start  # bytes of the window before the expected end
         problem = ""
-        if not torch.equal(self.buffer[after], self.fill[after]):
+        if not torch.equal(got[split:], expected[split:]):
             problem = "larger"
-        elif nbytes and torch.equal(self.buffer[before], self.fill[before]):
+        elif split and torch.equal(got[:split], expected[:split]):
             problem = "smaller"
         data = self.buffer[:nbytes].clone().view(dtype).view(shape)
         return data, problem
