@@ -117,7 +117,12 @@ class EngineFleet:
                 member.state, member.error = "failed", "not healthy before start_timeout_s"
                 return
             await asyncio.sleep(0.2)
-        info = await self.client.server_info(member.url)  # also learns its SGLang contract
+        try:
+            info = await self.client.server_info(member.url)  # also learns its SGLang contract
+        except Unavailable:
+            if self.config.kind == "attach":
+                raise
+            info = {}  # a launched engine's ranks are known; its contract is learned later
         if self.config.kind == "attach":
             member.ranks = self.config.ranks_per_engine or int(info.get("tp_size", 1))
         member.error = None
