@@ -28,6 +28,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "served_model_name": ("--served-model-name",),
     "random_seed": ("--random-seed",),
     "weight_update_timeout_s": ("--weight-update-timeout-s",),
+    "contract": ("--contract",),
     "log_level": ("--log-level",),
 }
 

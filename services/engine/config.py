@@ -49,6 +49,11 @@ class EngineConfig(StrictModel):
     weight_update_timeout_s: float = Field(
         600.0, gt=0, description="rendezvous and broadcast timeout of the weight-update group"
     )
+    contract: Literal["current", "deprecated"] = Field(
+        "current",
+        description="SGLang route names served: current (0.5.23's, plus the deprecated aliases "
+        "it keeps) or deprecated (only the older /get_* names, as older SGLang trees)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")
 
     @model_validator(mode="after")

@@ -34,6 +34,7 @@ class Engine:
     """Owns the model runner and the dp-rank schedulers; all their state lives on one thread."""
 
     def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
         self.config = config
         self.runner = ModelRunner(config)
         self.model_name = config.served_model_name or str(config.model_path)
@@ -54,7 +55,9 @@ class Engine:
         self._rate_tokens = [0] * config.dp_size
         self.gen_throughput = [0.0] * config.dp_size
         for rank in range(config.dp_size):
-            self.metrics.set_rank(rank, max_total_num_tokens=config.max_total_num_tokens)
+            self.metrics.set_rank(rank, max_total_num_tokens=config.max_total_num_tokens,
+                                  num_grammar_queue_reqs=0, num_running_reqs_offline_batch=0,
+                                  engine_startup_time=time.perf_counter() - started)
 
     @property
     def weight_version(self) -> str:
@@ -125,7 +128,10 @@ class Engine:
     def load_weights(
         self, tensors: dict[str, torch.Tensor], flush_cache: bool, version: str | None
     ) -> None:
+        started = time.perf_counter()
         self.runner.load_weights(tensors)
+        for rank in range(self.config.dp_size):
+            self.metrics.set_rank(rank, engine_load_weights_time=time.perf_counter() - started)
         if flush_cache:
             for sched in self.schedulers:
                 sched.cache.flush()
@@ -197,6 +203,8 @@ class Engine:
                 num_queue_reqs=len(sched.waiting),
                 num_used_tokens=sched.num_used_tokens,
                 token_usage=sched.num_used_tokens / capacity,
+                utilization=sched.num_used_tokens / capacity,
+                num_paused_reqs=len(sched.running) if self.paused_mode == "in_place" else 0,
                 gen_throughput=self.gen_throughput[rank],
                 num_retracted_reqs=sum(1 for r in sched.waiting if r.num_retractions),
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -9,6 +11,8 @@ from services.common.errors import InvalidRequest
 from services.engine.model_runner import ModelRunner
 from services.engine.request import GenRequest, SamplingParams, Update
 from services.engine.stopping import output_text
+
+log = logging.getLogger(__name__)
 
 # GenerateReqInput fields the engine reads.
 _USED = {
@@ -24,54 +28,32 @@ _USED = {
     "routed_dp_rank",
     "data_parallel_rank",
 }
-# Fields that only matter to other components (router, disaggregation, logging): accepted.
-_IGNORED = {
-    "routing_key",
-    "priority",
-    "log_metrics",
-    "extra_key",
-    "no_logs",
-    "custom_labels",
-    "conversation_id",
-    "background",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "bootstrap_pair_key",
-    "session_params",
-    "return_hidden_states",
-    "lora_id",
+# GenerateReqInput fields the built-in engine cannot honour: a 400 unless they are empty.
+_REFUSED = (
     "lora_path",
-    "modalities",
+    "lora_id",
     "image_data",
     "video_data",
     "audio_data",
     "input_embeds",
     "custom_logit_processor",
     "token_ids_logprob",
+    "session_params",
+    "return_hidden_states",
     "return_entropy",
-    "return_bytes",
-}
+)
+# Everything else is ignored as SGLang ignores unknown fields; each name is logged once.
+_logged_unknown: set[str] = set()
 
 
-def _need_neutral(body: dict[str, Any]) -> None:
-    for key in (
-        "lora_path",
-        "lora_id",
-        "image_data",
-        "video_data",
-        "audio_data",
-        "input_embeds",
-        "custom_logit_processor",
-        "token_ids_logprob",
-        "session_params",
-    ):
+def _check_fields(body: dict[str, Any]) -> None:
+    for key in _REFUSED:
         if body.get(key):
             raise InvalidRequest(f"{key} is not supported by the built-in engine")
-    if body.get("return_hidden_states") or body.get("return_entropy"):
-        raise InvalidRequest("hidden states and entropy are not returned by the built-in engine")
-    if body.get("top_logprobs_num"):
-        raise InvalidRequest("top_logprobs_num is not supported by the built-in engine")
+    unknown = set(body) - _USED - set(_REFUSED) - _logged_unknown
+    for key in sorted(unknown):
+        _logged_unknown.add(key)
+        log.warning("ignoring /generate field %r (logged once per field)", key)
 
 
 def _pick(value: Any, index: int, batched: bool) -> Any:
@@ -84,10 +66,7 @@ def parse_generate(
     """Turn a `/generate` body into requests; returns (requests, whether the input was a batch)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
-    unknown = sorted(set(body) - _USED - _IGNORED)
-    if unknown:
-        raise InvalidRequest(f"unknown fields: {', '.join(unknown)}")
-    _need_neutral(body)
+    _check_fields(body)
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise InvalidRequest("give exactly one of text and input_ids")
@@ -98,8 +77,6 @@ def parse_generate(
         batched = isinstance(text, list)
         texts = text if isinstance(text, list) else [text]
         prompts = [runner.tokenizer.encode(t) for t in texts]
-    if batched and body.get("stream"):
-        raise InvalidRequest("stream is supported for a single prompt only")
     rids = body.get("rid")
     if batched and rids is not None and (not isinstance(rids, list) or len(rids) != len(prompts)):
         raise InvalidRequest("rid must be a list as long as the batch")
@@ -108,32 +85,66 @@ def parse_generate(
         raise InvalidRequest(f"routed_dp_rank {dp_rank!r} out of range: dp_size is {dp_size}")
     requests = []
     for i, prompt in enumerate(prompts):
-        _check_prompt(prompt, runner)
         params = SamplingParams.parse(_pick(body.get("sampling_params"), i, batched))
-        req = GenRequest(
-            input_ids=list(prompt),
-            params=params,
-            return_logprob=bool(_pick(body.get("return_logprob"), i, batched)),
-            logprob_start_len=int(_pick(body.get("logprob_start_len", -1), i, batched)),
-            stream=bool(body.get("stream")),
-            dp_rank=dp_rank,
-        )
+        _check_prompt(prompt, params, runner)
         rid = _pick(rids, i, batched)
-        if rid is not None:
-            req.rid = str(rid)
-        requests.append(req)
-    return requests, batched
+        # n > 1: a group of samples of one prompt, prompt-major; sample j gets rid "<rid>_<j>"
+        # and, when seeded, seed + j, so the samples differ.
+        for j in range(params.n):
+            sample = params if params.n == 1 else dataclasses.replace(
+                params, n=1,
+                sampling_seed=None if params.sampling_seed is None else params.sampling_seed + j)
+            req = GenRequest(
+                input_ids=list(prompt),
+                params=sample,
+                return_logprob=bool(_pick(body.get("return_logprob"), i, batched)),
+                logprob_start_len=int(_pick(body.get("logprob_start_len", -1), i, batched)),
+                top_logprobs_num=_top_num(_pick(body.get("top_logprobs_num"), i, batched)),
+                stream=bool(body.get("stream")),
+                dp_rank=dp_rank,
+            )
+            if rid is not None:
+                req.rid = str(rid) if params.n == 1 else f"{rid}_{j}"
+            requests.append(req)
+    seen: set[str] = set()
+    for req in requests:
+        if req.rid in seen:
+            raise InvalidRequest(f"Duplicate request ID detected within the same batch: {req.rid}")
+        seen.add(req.rid)
+    if body.get("stream") and len(requests) > 1:
+        raise InvalidRequest("the built-in engine streams one prompt and one sample (n=1) only")
+    return requests, batched or len(requests) > 1
 
 
-def _check_prompt(prompt: Any, runner: ModelRunner) -> None:
+def _top_num(value: Any) -> int:
+    if value in (None, 0):
+        return 0
+    if not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"top_logprobs_num must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _check_prompt(prompt: Any, params: SamplingParams, runner: ModelRunner) -> None:
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequest("input_ids must be a non-empty list of token ids")
     if not all(isinstance(t, int) and 0 <= t < runner.vocab_size for t in prompt):
         raise InvalidRequest(f"input_ids must be integers in [0, {runner.vocab_size})")
-    if len(prompt) >= runner.context_len:
+    if any(not 0 <= t < runner.vocab_size for t in params.logit_bias):
+        raise InvalidRequest(f"logit_bias token ids must be in [0, {runner.vocab_size})")
+    context = runner.context_len
+    if len(prompt) >= context:
         raise InvalidRequest(
-            f"the input ({len(prompt)} tokens) is longer than the model's context length "
-            f"({runner.context_len} tokens)"
+            f"The input ({len(prompt)} tokens) is longer than the model's context length "
+            f"({context} tokens)."
+        )
+    if params.explicit_max_new_tokens and len(prompt) + params.max_new_tokens >= context:
+        total = len(prompt) + params.max_new_tokens
+        raise InvalidRequest(
+            f"Requested token count exceeds the model's maximum context length of {context} "
+            f"tokens. You requested a total of {total} tokens: {len(prompt)} tokens from the "
+            f"input messages and {params.max_new_tokens} tokens for the completion. Please "
+            "reduce the number of tokens in the input messages or the completion to fit "
+            "within the limit."
         )
 
 
@@ -151,6 +162,11 @@ def build_response(
         "e2e_latency": time.perf_counter() - req.created_at,
         "total_retractions": update.num_retractions,
     }
+    # Spans of output tokens by the weights that produced them; the single weight_version is
+    # the newest span's, as in SGLang.
+    spans = update.weight_versions or [(update.weight_version, 0, 0)]
+    meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in spans]
+    meta["weight_version"] = spans[-1][0]
     if req.return_logprob:
 
         def entry(logprob: float | None, token: int) -> list[Any]:
@@ -165,5 +181,10 @@ def build_response(
             entry(lp, tok)
             for lp, tok in zip(req.input_logprobs or [], req.input_ids[start:], strict=False)
         ]
+        if req.top_logprobs_num:
+            meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in top]
+                                           for top in update.top_logprobs]
+            meta["input_top_logprobs"] = [None if top is None else [entry(lp, t) for lp, t in top]
+                                          for top in req.input_top_logprobs or []]
     text = output_text(update.output_ids, update.finish_reason, req.params, runner)
     return {"text": text, "output_ids": update.output_ids, "meta_info": meta}

@@ -53,6 +53,20 @@ class EngineMetrics:
         self.cache_hit_rate = gauge("cache_hit_rate", "cached / prompt tokens of the last prefill")
         self.num_retracted_reqs = gauge("num_retracted_reqs", "requests retracted, waiting")
         self.max_total_num_tokens = gauge("max_total_num_tokens", "KV token capacity per rank")
+        self.num_grammar_queue_reqs = gauge(
+            "num_grammar_queue_reqs", "requests waiting for a grammar (none: grammars are refused)"
+        )
+        self.num_running_reqs_offline_batch = gauge(
+            "num_running_reqs_offline_batch", "running low-priority batch requests (none here)"
+        )
+        self.num_paused_reqs = gauge("num_paused_reqs", "requests frozen by an in-place pause")
+        self.utilization = gauge("utilization", "used / max_total_num_tokens of the batch")
+        self.engine_startup_time = gauge("engine_startup_time", "seconds to load and start")
+        self.engine_load_weights_time = gauge(
+            "engine_load_weights_time", "seconds the newest weight load took"
+        )
+        self.num_retracted_requests = counter("num_retracted_requests", "requests retracted")
+        self.queue_time = histogram("queue_time_seconds", "time from arrival to first prefill")
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens prefilled")
         self.generation_tokens = counter("generation_tokens", "tokens generated")
         self.cached_tokens = counter("cached_tokens", "prompt tokens served from the prefix cache")

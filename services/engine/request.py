@@ -24,11 +24,10 @@ _NEUTRAL = {
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
     "min_new_tokens": 0,
-    "n": 1,
     "json_schema": None,
     "regex": None,
     "ebnf": None,
-    "logit_bias": None,
+    "structural_tag": None,
     "stop_regex": None,
 }
 _ACCEPTED = {
@@ -42,9 +41,12 @@ _ACCEPTED = {
     "skip_special_tokens",
     "no_stop_trim",
     "sampling_seed",
-    "spaces_between_special_tokens",
-    "custom_params",
+    "logit_bias",
+    "n",
 }
+# Accepted and without effect here: detokenizer spacing, custom logit processors' arguments,
+# and how often a stream sends a chunk (the built-in engine sends one per token).
+_NO_EFFECT = {"spaces_between_special_tokens", "custom_params", "stream_interval"}
 
 
 @dataclass
@@ -61,6 +63,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    n: int = 1
+    explicit_max_new_tokens: bool = False  # the request set it (then it must fit the context)
 
     @property
     def greedy(self) -> bool:
@@ -69,21 +74,24 @@ class SamplingParams:
     @classmethod
     def parse(cls, raw: dict[str, Any] | None) -> SamplingParams:
         raw = dict(raw or {})
+        explicit = raw.get("max_new_tokens") is not None
         for key, neutral in _NEUTRAL.items():
             value = raw.pop(key, neutral)
             if value != neutral and value is not None:
                 raise InvalidRequest(
                     f"sampling_params.{key}={value!r} is not supported by the built-in engine"
                 )
-        unknown = sorted(set(raw) - _ACCEPTED)
+        unknown = sorted(set(raw) - _ACCEPTED - _NO_EFFECT)
         if unknown:
             raise InvalidRequest(f"unknown sampling_params: {', '.join(unknown)}")
-        raw.pop("spaces_between_special_tokens", None)
-        raw.pop("custom_params", None)
+        for key in _NO_EFFECT:
+            raw.pop(key, None)
         stop = raw.pop("stop", None) or []
         params = cls(
             stop=[stop] if isinstance(stop, str) else list(stop),
             stop_token_ids=list(raw.pop("stop_token_ids", None) or []),
+            logit_bias=_logit_bias(raw.pop("logit_bias", None)),
+            explicit_max_new_tokens=explicit,
             **{k: v for k, v in raw.items() if v is not None},
         )
         params.validate()
@@ -100,6 +108,20 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop must be a non-empty string or a list of them")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
+            raise InvalidRequest(f"n must be an integer in [1, 64], got {self.n!r}")
+
+
+def _logit_bias(raw: Any) -> dict[int, float]:
+    """SGLang's `{"token id": bias}` map (keys are strings in JSON)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidRequest("logit_bias must map token ids to biases")
+    try:
+        return {int(k): float(v) for k, v in raw.items()}
+    except (TypeError, ValueError):
+        raise InvalidRequest("logit_bias must map integer token ids to numbers") from None
 
 
 @dataclass
@@ -113,6 +135,8 @@ class Update:
     cached_tokens: int
     weight_version: str
     num_retractions: int
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -125,11 +149,16 @@ class GenRequest:
     return_logprob: bool = False
     stream: bool = False
     logprob_start_len: int = -1
+    top_logprobs_num: int = 0
     dp_rank: int | None = None
     emit: Callable[[Update], None] = lambda update: None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # (weight version, first output index, end): which weights produced which output tokens
+    version_spans: list[tuple[str, int, int]] = field(default_factory=list)
     cached_tokens: int = 0
     num_retractions: int = 0
     prefilled: bool = False
@@ -147,6 +176,15 @@ class GenRequest:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def record_version(self, version: str) -> None:
+        """The newest output token came from weights `version`."""
+        end = len(self.output_ids)
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1] = (version, self.version_spans[-1][1], end)
+        else:
+            start = self.version_spans[-1][2] if self.version_spans else 0
+            self.version_spans.append((version, start, end))
+
     def snapshot(self, weight_version: str) -> Update:
         return Update(
             output_ids=list(self.output_ids),
@@ -156,4 +194,6 @@ class GenRequest:
             cached_tokens=self.cached_tokens,
             weight_version=weight_version,
             num_retractions=self.num_retractions,
+            weight_versions=list(self.version_spans),
+            top_logprobs=list(self.output_top_logprobs),
         )

@@ -20,16 +20,10 @@ def sample_tokens(
     generators: Sequence[torch.Generator | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of `logits` [B, V]; returns (token ids [B], their log-probs [B])."""
-    logits = logits.float()
+    logits = biased(logits.float(), params)
     batch, vocab = logits.shape
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    temps = torch.tensor(
-        [1.0 if p.greedy else p.temperature for p in params],
-        device=logits.device,
-        dtype=logits.dtype,
-    )
-    scaled = logits / temps[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
+    logprobs = scaled_logprobs(logits, params)
     tokens = logits.argmax(dim=-1)
     rows = [i for i in range(batch) if not params[i].greedy]
     if rows:
@@ -45,6 +39,34 @@ def sample_tokens(
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return tokens, chosen
+
+
+def biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`logits` [B, V] plus each row's `logit_bias` (SGLang adds it before temperature)."""
+    if not any(p.logit_bias for p in params):
+        return logits
+    logits = logits.clone()
+    for row, p in enumerate(params):
+        for token, bias in p.logit_bias.items():
+            logits[row, token] += bias
+    return logits
+
+
+def scaled_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Log-softmax of the temperature-scaled logits (raw logits for greedy rows) [B, V]."""
+    temps = torch.tensor(
+        [1.0 if p.greedy else p.temperature for p in params],
+        device=logits.device,
+        dtype=logits.dtype,
+    )
+    return torch.log_softmax(logits / temps[:, None], dim=-1)
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """The `k` most likely tokens of each row of `logprobs` [B, V]: [(logprob, token id)]."""
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [list(zip(v, i, strict=True)) for v, i in zip(values.tolist(), ids.tolist(),
+                                                         strict=True)]
 
 
 def sample_filtered(

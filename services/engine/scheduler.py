@@ -21,7 +21,7 @@ from services.engine.metrics import EngineMetrics
 from services.engine.model_runner import ModelRunner
 from services.engine.radix_cache import RadixCache
 from services.engine.request import GenRequest
-from services.engine.sampling import sample_tokens
+from services.engine.sampling import biased, sample_tokens, scaled_logprobs, top_logprobs
 from services.engine.stopping import check_stop
 
 
@@ -95,6 +95,7 @@ class Scheduler:
         if not req.prefilled:
             req.prefilled = True
             req.cached_tokens = prefix_len
+            self.metrics.observe("queue_time", time.perf_counter() - req.created_at)
             self.metrics.count("prompt_tokens", len(req.input_ids))
             self.metrics.count("cached_tokens", prefix_len)
             self.metrics.set_rank(
@@ -105,13 +106,18 @@ class Scheduler:
             chosen = logprobs.gather(1, torch.tensor(tokens[1:])[:, None].to(logits.device))
             values: list[float | None] = [None, *chosen.squeeze(1).tolist()]
             req.input_logprobs = values[req.logprob_start_len :]
+            if req.top_logprobs_num:
+                tops: list[list[tuple[float, int]] | None] = [None]
+                tops += top_logprobs(logprobs, req.top_logprobs_num)
+                req.input_top_logprobs = tops[req.logprob_start_len :]
         row = [(k[0], v[0]) for k, v in cache_layers(cache)]
         self.cache.insert(tokens, row)
         if req.params.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}
         else:
             token, logprob = sample_tokens(logits[-1:], [req.params], [req.generator])
-            self._append(req, int(token[0]), float(logprob[0]))
+            tops = self._top_logprobs(logits[-1:], [req])
+            self._append(req, int(token[0]), float(logprob[0]), tops[0])
         return cache, len(tokens)
 
     def _decode(self) -> None:
@@ -120,13 +126,28 @@ class Scheduler:
         tokens, logprobs = sample_tokens(
             logits, [r.params for r in self.running], [r.generator for r in self.running]
         )
-        for req, token, logprob in zip(
-            self.running, tokens.tolist(), logprobs.tolist(), strict=True
+        tops = self._top_logprobs(logits, self.running)
+        for req, token, logprob, top in zip(
+            self.running, tokens.tolist(), logprobs.tolist(), tops, strict=True
         ):
-            self._append(req, token, logprob)
+            self._append(req, token, logprob, top)
         self._release([i for i, req in enumerate(self.running) if req.finished])
 
-    def _append(self, req: GenRequest, token: int, logprob: float) -> None:
+    @staticmethod
+    def _top_logprobs(
+        logits: torch.Tensor, reqs: list[GenRequest]
+    ) -> list[list[tuple[float, int]] | None]:
+        """Each request's `top_logprobs_num` likeliest next tokens (None where not asked)."""
+        k = max(r.top_logprobs_num for r in reqs)
+        if not k:
+            return [None] * len(reqs)
+        params = [r.params for r in reqs]
+        tops = top_logprobs(scaled_logprobs(biased(logits.float(), params), params), k)
+        return [top[: r.top_logprobs_num] if r.top_logprobs_num else None
+                for r, top in zip(reqs, tops, strict=True)]
+
+    def _append(self, req: GenRequest, token: int, logprob: float,
+                top: list[tuple[float, int]] | None = None) -> None:
         now = time.perf_counter()
         if req.first_token_at is None:
             req.first_token_at = now
@@ -136,6 +157,9 @@ class Scheduler:
         req.last_token_at = now
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
+        req.record_version(self._weight_version[0])
+        if top is not None:
+            req.output_top_logprobs.append(top)
         self.num_generated += 1
         self.metrics.count("generation_tokens")
         req.finish_reason = check_stop(req, self.runner)
@@ -183,6 +207,7 @@ class Scheduler:
         retracted = self.running
         for req in retracted:
             req.num_retractions += 1
+        self.metrics.count("num_retracted_requests", len(retracted))
         self.waiting.extendleft(reversed(retracted))
         self.running = []
         self.batch.keep_rows([])

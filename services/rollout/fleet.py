@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.common import process
+from services.common.engine_client import EngineClient
 from services.common.errors import Unavailable
 from services.common.ports import free_ports
 from services.rollout.config import FleetConfig
-from services.rollout.engine_client import EngineClient
 from services.rollout.router_link import RouterLink
 from services.rollout.sglang_command import engine_command, ranks_per_engine
 
@@ -117,9 +117,14 @@ class EngineFleet:
                 member.state, member.error = "failed", "not healthy before start_timeout_s"
                 return
             await asyncio.sleep(0.2)
+        try:
+            info = await self.client.server_info(member.url)  # also learns its SGLang contract
+        except Unavailable:
+            if self.config.kind == "attach":
+                raise
+            info = {}  # a launched engine's ranks are known; its contract is learned later
         if self.config.kind == "attach":
-            member.ranks = self.config.ranks_per_engine or int(
-                (await self.client.server_info(member.url)).get("tp_size", 1))
+            member.ranks = self.config.ranks_per_engine or int(info.get("tp_size", 1))
         member.error = None
         if self.current_version == self.initial_version:
             await self._register(member)
@@ -160,7 +165,7 @@ class EngineFleet:
 
     async def _poll(self, member: EngineMember) -> None:
         try:
-            member.load = await self.client.load(member.url)
+            member.load = [rank.view() for rank in await self.client.load(member.url)]
         except Unavailable:
             member.load = None
             if member.proc is None and member.state in ("ready", "awaiting_weights"):
@@ -168,7 +173,10 @@ class EngineFleet:
                 member.state, member.in_group = "unreachable", False
             return
         if member.state == "unreachable":
-            version = await self.client.weight_version(member.url)
+            try:
+                version: str | None = await self.client.weight_version(member.url)
+            except Unavailable:
+                version = None
             member.state = "ready" if version == str(self.current_version) else "awaiting_weights"
             log.info("engine %s is reachable again (weight version %s)", member.url, version)
 

@@ -15,12 +15,12 @@ from typing import Any
 import grpc
 
 from services.common.config import RedisConfig
+from services.common.engine_client import EngineClient
 from services.common.errors import Unavailable
 from services.common.grpc_client import aio_channel
 from services.common.service import ServiceRuntime
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
-from services.rollout.engine_client import EngineClient
 from services.rollout.episodes import GroupSink, TaskCycle
 from services.rollout.fleet import EngineFleet
 from services.rollout.router_link import GrpcRouterLink, NoRouter

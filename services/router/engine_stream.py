@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import orjson
 
+from services.common.engine_client import EngineCallFailed, EngineNotReached
 from services.common.errors import DeadlineExceeded, InvalidRequest
-from services.router.engine_client import EngineCallFailed, EngineNotReached
 
 _JSON = {"content-type": "application/json"}
 

@@ -54,14 +54,17 @@ class HealthChecker:
         client, timeout = self.registry.client, self.config.health_timeout_s
         ok = await client.healthy(engine.url, timeout)
         if ok:
-            version, load = await asyncio.gather(client.weight_version(engine.url, timeout),
-                                                 client.load(engine.url, timeout))
-            if version is not None:
+            version, load = await asyncio.gather(self.registry.read_version(engine.url),
+                                                 client.load(engine.url, timeout),
+                                                 return_exceptions=True)
+            if isinstance(version, str):
                 self.observe_version(engine, version)
+            tokens = {} if isinstance(load, BaseException) else \
+                {rank.dp_rank: rank.num_tokens for rank in load}
         else:
-            load = {}
+            tokens = {}
         for target in engine.targets:  # a failed probe clears figures it can no longer vouch for
-            target.reported_tokens = load.get(target.dp_rank, 0)
+            target.reported_tokens = tokens.get(target.dp_rank, 0)
         self.observe_health(engine, ok)
 
     def observe_health(self, engine: Engine, ok: bool) -> None:
@@ -83,10 +86,8 @@ class HealthChecker:
 
     async def refresh_versions(self) -> None:
         """Read every engine's weight version now (after the router's version changed)."""
-        client, timeout = self.registry.client, self.config.health_timeout_s
         engines = list(self.registry.engines.values())
-        versions = await asyncio.gather(*(client.weight_version(e.url, timeout)
-                                          for e in engines))
+        versions = await asyncio.gather(*(self.registry.read_version(e.url) for e in engines))
         for engine, version in zip(engines, versions, strict=True):
             if version is not None:
                 self.observe_version(engine, version)

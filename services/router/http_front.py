@@ -115,6 +115,8 @@ def build_front(runtime: RouterRuntime) -> Starlette:
         Route("/health_generate", health, methods=["GET"]),
         Route("/get_server_info", engine_info, methods=["GET"]),
         Route("/get_model_info", engine_info, methods=["GET"]),
+        Route("/server_info", engine_info, methods=["GET"]),
+        Route("/model_info", engine_info, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
     ])
 
@@ -129,14 +131,16 @@ async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[byte
 
 
 async def _from_engine(runtime: RouterRuntime, path: str) -> dict[str, Any]:
+    """Server or model info from the first routable engine, by the contract it speaks."""
+    client, timeout = runtime.client, runtime.config.health_timeout_s
     for target in runtime.router.candidates(set()):
+        url = target.engine.url
         try:
-            info = await runtime.client.get_json(target.engine.url, path,
-                                                 runtime.config.health_timeout_s)
-        except (httpx.HTTPError, ValueError):
+            if "server_info" in path:
+                return await client.server_info(url, timeout)
+            return await client.model_info(url, timeout)
+        except (httpx.HTTPError, ValueError, RiptideError):
             continue
-        if isinstance(info, dict):
-            return info
     raise Unavailable(f"no routable engine answered {path}")
 
 

@@ -1,7 +1,8 @@
 """The engine registry: which engines exist, their targets, and the current weight version.
 
-Registration asks the engine for `/get_server_info`: an engine with dp_size > 1 and DP
-attention becomes one target per dp rank. The rollout service registers and deregisters
+Registration asks the engine for its server info (which also teaches the engine client the
+SGLang contract it speaks): an engine with dp_size > 1 and DP attention becomes one target
+per dp rank. The rollout service registers and deregisters
 engines; the health checker and the router update their state.
 """
 
@@ -12,10 +13,8 @@ import logging
 import time
 from typing import Any
 
-import httpx
-
+from services.common.engine_client import EngineCallError, EngineClient
 from services.common.errors import InvalidRequest, NotFound, Unavailable
-from services.router.engine_client import EngineClient
 from services.router.targets import Engine, Target
 
 log = logging.getLogger(__name__)
@@ -57,21 +56,32 @@ class EngineRegistry:
         if existing is not None:
             # Registered again (a restart, or while draining out): keep it, re-read its version.
             existing.leaving = False
-            existing.weight_version = await self.client.weight_version(url, self.probe_timeout_s)
+            try:  # it may have come back as another SGLang version
+                await self.client.detect(url, self.probe_timeout_s)
+            except EngineCallError as exc:
+                raise Unavailable(f"cannot register {url}: {exc}") from exc
+            existing.weight_version = await self.read_version(url)
             self.notify()
             return existing
         try:
-            info = await self.client.get_json(url, "/get_server_info", self.probe_timeout_s)
-        except (httpx.HTTPError, ValueError) as exc:
-            raise Unavailable(f"cannot register {url}: /get_server_info failed: {exc}") from exc
+            info = await self.client.server_info(url, self.probe_timeout_s)
+        except EngineCallError as exc:
+            raise Unavailable(f"cannot register {url}: {exc}") from exc
         engine = self._engine_from_info(url, info)
-        engine.weight_version = await self.client.weight_version(url, self.probe_timeout_s)
+        engine.weight_version = await self.read_version(url)
         self.engines[url] = engine
         log.info("engine registered", extra={"url": url, "dp_size": engine.dp_size,
                                              "max_running": engine.max_running,
                                              "weight_version": engine.weight_version})
         self.notify(topology=True)
         return engine
+
+    async def read_version(self, url: str) -> str | None:
+        """The engine's weight version, or None while it cannot be read."""
+        try:
+            return await self.client.weight_version(url, self.probe_timeout_s)
+        except EngineCallError:
+            return None
 
     @staticmethod
     def _engine_from_info(url: str, info: Any) -> Engine:

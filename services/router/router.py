@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
+from services.common.engine_client import EngineCallFailed, EngineClient, EngineNotReached
 from services.common.errors import RiptideError, Unavailable
 from services.router import metrics
 from services.router.config import RouterConfig
-from services.router.engine_client import EngineCallFailed, EngineClient, EngineNotReached
 from services.router.engine_stream import open_stream
 from services.router.health import HealthChecker
 from services.router.policies import Choice, Policy, make_policy

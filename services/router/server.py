@@ -16,11 +16,11 @@ from typing import Any
 import grpc
 from fastapi import APIRouter
 
+from services.common.engine_client import EngineClient
 from services.common.errors import Unavailable
 from services.common.service import ServiceRuntime
 from services.router import metrics
 from services.router.config import TUNABLE_FIELDS, RouterConfig
-from services.router.engine_client import EngineClient
 from services.router.health import HealthChecker
 from services.router.registry import EngineRegistry
 from services.router.router import RoutedReply, Router
@@ -38,8 +38,9 @@ class RouterRuntime(ServiceRuntime):
         super().__init__()
         self.config = config
         self.tunable = config
-        self.client = EngineClient(config.connect_timeout_s, config.generate_timeout_s,
-                                   config.max_connections)
+        self.client = EngineClient(timeout_s=config.generate_timeout_s,
+                                   connect_timeout_s=config.connect_timeout_s,
+                                   max_connections=config.max_connections)
         self.registry = EngineRegistry(self.client, config.initial_weight_version,
                                        probe_timeout_s=config.health_timeout_s)
         self.health = HealthChecker(self.registry, config)

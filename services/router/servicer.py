@@ -12,6 +12,7 @@ import grpc
 import orjson
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.engine_contract import weight_version_spans
 from services.common.errors import InvalidRequest
 from services.common.service import status_message
 
@@ -114,6 +115,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             weight_version=_weight_version(meta.get("weight_version")),
             engine_url=routed.target.engine.url, dp_rank=routed.target.dp_rank,
             engine_latency_s=routed.engine_latency_s,
+            output_weight_versions=[_weight_version(v)
+                                    for v in weight_version_spans(meta, len(output_ids))],
         )
 
     async def RegisterEngine(self, request: router_pb2.RegisterEngineRequest,  # noqa: N802

@@ -58,7 +58,7 @@ class TokenTrace:
         self.response_ids += result.output_ids
         self.loss_mask += [1] * count
         self.logprobs += logprobs
-        self.weight_versions += [result.weight_version] * count
+        self.weight_versions += result.token_versions()
 
     def add_context(self, ids: list[int]) -> None:
         self.response_ids += ids
@@ -101,7 +101,9 @@ class TerminalAgent:
         deadline = time.monotonic() + min(wall_time_s, limits.wall_time_s)
         run = AgentRun(TokenTrace(self.chat.prompt_ids(self.system_prompt(), instruction)))
         for turn in range(1, limits.max_turns + 1):
-            room = limits.max_context_tokens - run.trace.num_tokens
+            # SGLang refuses prompt + max_new_tokens >= its context length (HTTP 400), so the
+            # cap is exclusive: an engine whose context equals max_context_tokens accepts it.
+            room = limits.max_context_tokens - run.trace.num_tokens - 1
             if room <= 0:
                 run.finish_reason = "context_length"
                 return run

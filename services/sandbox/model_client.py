@@ -14,7 +14,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -33,6 +33,15 @@ class GenerateResult:
     output_logprobs: list[float]
     finish_reason: str  # stop, length or abort
     weight_version: int
+    # Per output id, where the engine told (spans over an in-place update); else empty and
+    # every id has weight_version.
+    weight_versions: list[int] = field(default_factory=list)
+
+    def token_versions(self) -> list[int]:
+        """The weight version of each output id."""
+        if len(self.weight_versions) == len(self.output_ids):
+            return list(self.weight_versions)
+        return [self.weight_version] * len(self.output_ids)
 
 
 class ModelClient(Protocol):
@@ -79,7 +88,8 @@ class RouterModelClient:
                 raise _riptide_error(exc) from None
         logprobs = list(response.output_logprobs) or [0.0] * len(response.output_ids)
         return GenerateResult(list(response.output_ids), logprobs, response.finish_reason,
-                              int(response.weight_version))
+                              int(response.weight_version),
+                              list(response.output_weight_versions))
 
     def forget(self, session_key: str) -> None:
         """The episode ended: tell the router in the background (it also expires idle ones)."""

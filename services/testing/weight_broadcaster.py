@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu", help="where rank 0's tensors live (cuda:N)")
+    parser.add_argument("--reversed", action="store_true",
+                        help="broadcast in reverse order (a trainer bug the engine must survive)")
     args = parser.parse_args(argv)
     state = load_state_dict(args.model)
     group = init_custom_process_group(
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=120,
     )
     dtype = getattr(torch, args.dtype)
-    for tensor in state.values():
+    tensors = list(state.values())
+    for tensor in reversed(tensors) if args.reversed else tensors:
         broadcast_tensor(tensor.to(device=args.device, dtype=dtype).contiguous(), group)
     print(f"broadcast {len(state)} tensors", flush=True)
     destroy_process_group(group)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from services.common.engine_contract import SERVER_INFO
 from services.common.errors import Conflict, Unavailable
 from services.trainer.convert import iter_hf_buckets
 from services.trainer.model import ModelShape
@@ -135,8 +136,13 @@ class DirectEngineWeightSync(_SyncBase):
     def _engine_tp_sizes(self) -> list[int]:
         sizes = []
         for url in self.urls:
-            info = self.http.get(f"{url}/get_server_info").json()
-            sizes.append(int(info.get("tp_size", 1)))
+            for path in SERVER_INFO:  # SGLang 0.5.23's route first, the deprecated one after
+                reply = self.http.get(f"{url}{path}")
+                if reply.status_code not in (404, 405):
+                    break
+            if reply.status_code != 200:
+                raise Unavailable(f"{url}{path} answered {reply.status_code}: {reply.text[:500]}")
+            sizes.append(int(reply.json().get("tp_size", 1)))
         return sizes
 
     def _join(self) -> None:

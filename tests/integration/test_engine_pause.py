@@ -126,7 +126,7 @@ def test_abort_request_by_rid(engine: EngineProcess) -> None:
 
 def test_unknown_pause_mode_is_rejected(engine: EngineProcess, tmp_path: Path) -> None:
     resp = engine.post("/pause_generation", {"mode": "sleep"})
-    assert resp.status_code == 400 and "in_place" in resp.json()["message"]
+    assert resp.status_code == 400 and "in_place" in resp.json()["error"]["message"]
 
 
 def test_client_disconnect_aborts_the_request(engine: EngineProcess) -> None:

@@ -97,7 +97,7 @@ def test_trainer_broadcast_replaces_weights(tmp_path: Path) -> None:
             bad_dtype = {**body, "dtypes": ["float99"] * len(state)}
             assert engine.post("/update_weights_from_distributed", bad_dtype).status_code == 400
             assert outputs() == [old_out, old_out]
-            assert engine.get("/get_weight_version").json()["weight_version"] == "default"
+            assert engine.get("/model_info").json()["weight_version"] == "default"
 
             # A request in flight finishes before the update loads (the engine is not paused).
             with ThreadPoolExecutor(1) as pool:

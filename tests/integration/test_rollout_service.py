@@ -204,7 +204,7 @@ def test_weight_update_mid_run_pauses_syncs_and_resumes_losing_nothing(
     assert state["scheduler"]["weight_version"] == 1
     for engine in state["engines"]:
         assert engine["weight_version"] == 1 and engine["in_weight_group"]
-        assert httpx.get(f"{engine['url']}/get_weight_version").json()["weight_version"] == "1"
+        assert httpx.get(f"{engine['url']}/model_info").json()["weight_version"] == "1"
     # episodes in flight across the update finish and are scored: none is lost
     wait_for(lambda: any(v == 1 for g in stack.groups() for s in g.samples
                          for v in s.weight_versions), "tokens of weight version 1")
@@ -233,6 +233,6 @@ def test_killed_engine_is_restarted_resynced_and_reregistered(
     assert answered["must_join"] is True and answered["world_size"] == 3
     engine = next(e for e in stack.state()["engines"] if e["url"] == victim["url"])
     assert engine["state"] == "ready" and engine["registered"] and engine["weight_version"] == 3
-    assert httpx.get(f"{victim['url']}/get_weight_version").json()["weight_version"] == "3"
+    assert httpx.get(f"{victim['url']}/model_info").json()["weight_version"] == "3"
     wait_for(lambda: stack.state()["scheduler"]["written_groups"] >= written + 2,
              "groups after the restart")

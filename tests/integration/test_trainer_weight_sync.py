@@ -113,8 +113,8 @@ class RolloutStandIn:
 
     async def _start(self, engine_url: str) -> int:
         from services._proto.riptide.v1 import rollout_pb2_grpc
+        from services.common.engine_client import EngineClient
         from services.rollout.config import FleetConfig, WeightUpdateConfig
-        from services.rollout.engine_client import EngineClient
         from services.rollout.fleet import EngineFleet
         from services.rollout.weight_update import WeightUpdateCoordinator
 
@@ -193,7 +193,7 @@ def test_refused_bucket_fails_fast_and_next_sync_works(engine: EngineProcess) ->
     })
     assert "update_weights_from_distributed" in result["error"]
     assert result["refused_s"] < 30
-    assert engine.get("/get_weight_version").json()["weight_version"] == "8"
+    assert engine.get("/model_info").json()["weight_version"] == "8"
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,9 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
         {"temperature": -1},
         {"max_new_tokens": -1},
         {"regex": "a"},
-        {"n": 2},
+        {"n": 0},
+        {"logit_bias": {"x": 1}},
+        {"structural_tag": "{}"},
         {"frequency_penalty": 0.5},
         {"typo": 1},
         {"stop": [""]},
@@ -82,3 +84,17 @@ def test_params_parse_sglang_defaults_and_aliases() -> None:
     params = SamplingParams.parse({"stop": "END", "max_new_tokens": 5, "min_p": 0.0})
     assert params.stop == ["END"] and params.max_new_tokens == 5 and params.top_k == -1
     assert SamplingParams.parse({"temperature": 0}).greedy
+
+
+def test_logit_bias_moves_greedy_and_logprobs() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    params = SamplingParams.parse({"temperature": 0, "logit_bias": {"2": 5.0}})
+    tokens, logprobs = sample_tokens(logits, [params], [gen(0)])
+    assert tokens.tolist() == [2]
+    want = torch.log_softmax(torch.tensor([[0.0, 3.0, 6.0]]), -1)[0, 2]
+    assert torch.allclose(logprobs[0], want)
+
+
+def test_stream_interval_and_n_are_accepted() -> None:
+    params = SamplingParams.parse({"stream_interval": 4, "n": 3})
+    assert params.n == 3

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from services._proto.riptide.v1 import rollout_pb2 as pb
+from services.common.engine_client import EngineCallError
+from services.common.engine_contract import EngineLoad
 from services.rollout.config import FleetConfig, WeightUpdateConfig
-from services.rollout.engine_client import EngineCallError
 from services.rollout.fleet import EngineFleet
 from services.rollout.weight_update import WeightUpdateCoordinator, WeightUpdateFailed
 
@@ -42,10 +43,10 @@ class FakeEngines:
     async def server_info(self, url: str) -> dict[str, Any]:
         return {"tp_size": TP[url]}
 
-    async def load(self, url: str) -> list[dict[str, Any]]:
+    async def load(self, url: str) -> list[EngineLoad]:
         if url in self.down:
-            raise EngineCallError(url, "get_load", "ConnectError")
-        return [{"dp_rank": 0, "num_reqs": 0}]
+            raise EngineCallError(url, "v1/loads", "ConnectError")
+        return [EngineLoad(dp_rank=0, num_reqs=0, num_waiting_reqs=0, num_tokens=0)]
 
     async def weight_version(self, url: str) -> str:
         return "0"

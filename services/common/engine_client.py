@@ -1,0 +1,229 @@
+"""The one HTTP client to SGLang engines (and the built-in engine), for the rollout service
+and the router.
+
+It learns at registration which contract an engine speaks (engine_contract.py) and reads the
+weight version, the load and the server facts the same way for both services. `/generate`
+failures are classified for the router: `EngineNotReached` when the engine certainly never
+started generating (no connection, or 503), so the call may be retried elsewhere;
+`EngineCallFailed` for any other failure after the request was sent, never retried. A control
+call that fails raises `EngineCallError` naming the engine and the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import orjson
+
+from services.common.engine_contract import (
+    MODEL_INFO,
+    OLD_WEIGHT_VERSION,
+    EngineContract,
+    EngineLoad,
+    error_message,
+    parse_loads,
+    sglang_version_of,
+    weight_version_of,
+)
+from services.common.errors import DeadlineExceeded, InvalidRequest, Unavailable
+
+log = logging.getLogger(__name__)
+_JSON = {"content-type": "application/json"}
+
+
+class EngineCallError(Unavailable):
+    """An engine control call failed; the message names the engine and the step."""
+
+    def __init__(self, url: str, step: str, detail: str, status: int | None = None) -> None:
+        super().__init__(f"engine {url}: {step} failed: {detail}")
+        self.url, self.step, self.status = url, step, status
+
+
+class EngineNotReached(Exception):
+    """The call never reached generation on the engine; safe to retry on another target."""
+
+
+class EngineCallFailed(Exception):
+    """The call failed after the engine may have started generating; not retried."""
+
+
+def _body(response: httpx.Response) -> Any:
+    if not response.content:
+        return {}
+    try:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return response.text[:500]
+
+
+class EngineClient:
+    """One pooled httpx.AsyncClient for every call to every engine."""
+
+    def __init__(self, timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
+                 max_connections: int = 100,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.http = httpx.AsyncClient(
+            transport=transport,
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=max_connections),
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+        self.contracts: dict[str, EngineContract] = {}
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    aclose = close
+
+    # -- plumbing ----------------------------------------------------------------------
+    async def _call(self, method: str, url: str, path: str, body: dict[str, Any] | None = None,
+                    timeout_s: float | None = None) -> Any:
+        step = path.lstrip("/")
+        kwargs: dict[str, Any] = {"json": body} if body is not None else {}
+        if timeout_s is not None:
+            kwargs["timeout"] = timeout_s
+        try:
+            reply = await self.http.request(method, f"{url}{path}", **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineCallError(url, step, f"{type(exc).__name__}: {exc}") from None
+        data = _body(reply)
+        if reply.status_code != 200 or (isinstance(data, dict) and data.get("success") is False):
+            raise EngineCallError(url, step, f"HTTP {reply.status_code}: {error_message(data)}",
+                                  reply.status_code)
+        return data
+
+    async def _first(self, url: str, paths: tuple[str, ...], timeout_s: float | None) -> Any:
+        """GET the first of `paths` the engine serves (404/405 means: try the next)."""
+        last: EngineCallError | None = None
+        for path in paths:
+            try:
+                return path, await self._call("GET", url, path, timeout_s=timeout_s)
+            except EngineCallError as exc:
+                if exc.status not in (404, 405):
+                    raise
+                last = exc
+        assert last is not None
+        raise last
+
+    # -- the contract ------------------------------------------------------------------
+    async def detect(self, url: str, timeout_s: float | None = None) -> EngineContract:
+        """Learn (again) which routes `url` serves: current first, deprecated as fallback."""
+        return (await self._detect(url, timeout_s))[0]
+
+    async def _detect(self, url: str, timeout_s: float | None) -> tuple[EngineContract, Any]:
+        path, _ = await self._first(url, MODEL_INFO, timeout_s)
+        contract = EngineContract.of("current" if path == MODEL_INFO[0] else "deprecated")
+        info = await self._call("GET", url, contract.server_info_path, timeout_s=timeout_s)
+        contract = EngineContract.of(contract.mode, sglang_version_of(info))
+        if self.contracts.get(url) != contract:
+            log.info("engine %s speaks the %s SGLang contract (version %s)", url,
+                     contract.mode, contract.sglang_version or "unknown")
+        self.contracts[url] = contract
+        return contract, info
+
+    async def contract(self, url: str, timeout_s: float | None = None) -> EngineContract:
+        known = self.contracts.get(url)
+        return known if known is not None else await self.detect(url, timeout_s)
+
+    # -- facts -------------------------------------------------------------------------
+    async def healthy(self, url: str, timeout_s: float = 5.0) -> bool:
+        try:
+            reply = await self.http.get(f"{url}/health", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
+
+    async def server_info(self, url: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """Server args, scheduler facts and `version`; (re)learns the contract, as at
+        registration."""
+        _, info = await self._detect(url, timeout_s)
+        return dict(info) if isinstance(info, dict) else {}
+
+    async def _read(self, url: str, route: str, timeout_s: float | None) -> Any:
+        """GET the contract's route for `route`; a 404 means the engine changed (a restart
+        as another version): learn its contract again and retry once."""
+        contract = await self.contract(url, timeout_s)
+        try:
+            return await self._call("GET", url, getattr(contract, route), timeout_s=timeout_s)
+        except EngineCallError as exc:
+            if exc.status != 404:
+                raise
+        contract = await self.detect(url, timeout_s)
+        return await self._call("GET", url, getattr(contract, route), timeout_s=timeout_s)
+
+    async def model_info(self, url: str, timeout_s: float | None = None) -> dict[str, Any]:
+        info = await self._read(url, "model_info_path", timeout_s)
+        return dict(info) if isinstance(info, dict) else {}
+
+    async def weight_version(self, url: str, timeout_s: float | None = None) -> str:
+        """The engine's weight version (model info; `/get_weight_version` on the oldest)."""
+        version = weight_version_of(await self.model_info(url, timeout_s))
+        if version is None:
+            version = weight_version_of(await self._call("GET", url, OLD_WEIGHT_VERSION,
+                                                         timeout_s=timeout_s))
+        if version is None:
+            raise EngineCallError(url, "weight_version", "the engine reports no weight version")
+        return version
+
+    async def load(self, url: str, timeout_s: float | None = 5.0) -> list[EngineLoad]:
+        """The load of every dp rank."""
+        return parse_loads(await self._read(url, "load_path", timeout_s))
+
+    # -- generation --------------------------------------------------------------------
+    async def generate(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /generate; returns the SGLang response or raises a classified error."""
+        try:
+            response = await self.http.post(f"{url}/generate", content=orjson.dumps(body),
+                                            headers=_JSON)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise EngineNotReached(f"{url}: cannot connect ({type(exc).__name__})") from exc
+        except httpx.TimeoutException as exc:
+            raise DeadlineExceeded(f"{url}: /generate timed out ({type(exc).__name__})") from exc
+        except httpx.HTTPError as exc:
+            raise EngineCallFailed(f"{url}: /generate failed: {type(exc).__name__}: {exc}") \
+                from exc
+        data = _body(response)
+        if response.status_code == 200 and isinstance(data, dict) and "error" not in data:
+            return data
+        message = error_message(data)
+        if response.status_code == 503:
+            raise EngineNotReached(f"{url}: 503 {message}")
+        if response.status_code in (400, 422):
+            raise InvalidRequest(f"engine rejected the request: {message}")
+        raise EngineCallFailed(f"{url}: /generate answered {response.status_code}: {message}")
+
+    async def abort(self, url: str, rid: str | None = None) -> None:
+        """Abort one request by rid, or every request when `rid` is None."""
+        body = {"abort_all": True} if rid is None else {"rid": rid}
+        await self._call("POST", url, "/abort_request", body)
+
+    # -- control -----------------------------------------------------------------------
+    async def pause(self, url: str, mode: str) -> None:
+        await self._call("POST", url, "/pause_generation", {"mode": mode})
+
+    async def resume(self, url: str) -> None:
+        await self._call("POST", url, "/continue_generation", {})
+
+    async def init_group(self, url: str, *, master_address: str, master_port: int,
+                         rank_offset: int, world_size: int, group_name: str,
+                         backend: str) -> None:
+        await self._call("POST", url, "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port,
+            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
+            "backend": backend})
+
+    async def destroy_group(self, url: str, group_name: str) -> None:
+        await self._call("POST", url, "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights(self, url: str, *, names: list[str], dtypes: list[str],
+                             shapes: list[list[int]], group_name: str) -> None:
+        await self._call("POST", url, "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": True, "abort_all_requests": False})
+
+    async def set_weight_version(self, url: str, version: int) -> None:
+        # 0.5.23 aborts every request unless told otherwise; the fleet is paused here and its
+        # requests must survive the bump.
+        await self._call("POST", url, "/update_weight_version",
+                         {"new_version": str(version), "abort_all_requests": False})

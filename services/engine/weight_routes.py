@@ -1,0 +1,155 @@
+"""The built-in engine's weight routes: the collective group, updates from a broadcast or from
+tensors in the body, the weight version, and the refusals of what it does not do.
+
+Updates rendezvous and receive on worker threads so the API stays responsive; loading runs on
+the engine loop between steps. A failed update leaves the old weights in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from services.common.errors import InvalidRequest, RiptideError
+from services.engine.engine import Engine
+from services.engine.info_routes import read_json
+from services.engine.sglang_errors import error_response
+from services.engine.weight_update import (
+    Body,
+    DestroyGroupRequest,
+    InitGroupRequest,
+    UpdateWeightsRequest,
+    WeightUpdater,
+    parse_body,
+)
+
+log = logging.getLogger(__name__)
+
+
+class TensorUpdateRequest(Body):
+    """`/update_weights_from_tensor`: one serialized list of (name, tensor) per TP rank."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    disable_draft_model: bool | None = None
+
+
+def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
+    """The built-in engine's tensor payload: base64 of `torch.save([(name, tensor), ...])`.
+
+    SGLang's own payload holds CUDA IPC handles, usable only on the same GPU host; the
+    built-in engine takes real bytes instead and loads them with `weights_only=True`.
+    """
+    try:
+        pairs = torch.load(io.BytesIO(base64.b64decode(payload, validate=True)),
+                           weights_only=True)
+        return {str(name): tensor for name, tensor in pairs}
+    except Exception as exc:  # any undecodable payload is the client's mistake
+        raise InvalidRequest(
+            "serialized_named_tensors must hold base64 of torch.save([(name, tensor), ...]): "
+            f"{type(exc).__name__}: {exc}") from None
+
+
+def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> None:
+    update_lock = asyncio.Lock()
+    ok = "Succeeded to update parameter online."
+
+    async def load(tensors: dict[str, torch.Tensor], flush: bool, version: str | None) -> None:
+        await engine.run(lambda: engine.load_weights(tensors, flush, version))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        req = parse_body(InitGroupRequest, await read_json(request))
+        try:
+            await asyncio.to_thread(updater.init_group, req)
+        except RiptideError:
+            raise
+        except Exception as exc:  # rendezvous failures become a precise 400
+            msg = f"Failed to init weights update group: {type(exc).__name__}: {exc}"
+            return error_response(request.url.path, msg)
+        return JSONResponse({"success": True,
+                             "message": "Succeeded to initialize custom process group."})
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        req = parse_body(UpdateWeightsRequest, await read_json(request))
+        if req.selector is not None:
+            log.info("selector %r: the built-in engine serves one model", req.selector)
+        dtypes = updater.validate(req)
+        async with update_lock:
+            if req.abort_all_requests:
+                await engine.run(lambda: engine.abort(None, "aborted for a weight update"))
+            await _drain_unless_paused(engine)
+            try:
+                tensors = await asyncio.to_thread(updater.receive, req, dtypes)
+                await load(tensors, req.flush_cache, req.weight_version)
+            except Exception as exc:  # a broken broadcast leaves the old weights in place
+                msg = f"Failed to update weights: {type(exc).__name__}: {exc}"
+                return error_response(request.url.path, msg)
+            finally:
+                engine.block_admission = False
+        if req.torch_empty_cache and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return JSONResponse({"success": True, "message": ok})
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> JSONResponse:
+        req = parse_body(TensorUpdateRequest, await read_json(request))
+        if len(req.serialized_named_tensors) != 1:
+            raise InvalidRequest("serialized_named_tensors must hold one entry (tp_size is 1)")
+        if req.load_format not in (None, "direct"):
+            raise InvalidRequest(f"load_format {req.load_format!r} is not supported")
+        tensors = decode_named_tensors(req.serialized_named_tensors[0])
+        engine.runner.check_weights(list(tensors), [list(t.shape) for t in tensors.values()])
+        async with update_lock:
+            if req.abort_all_requests:
+                await engine.run(lambda: engine.abort(None, "aborted for a weight update"))
+            await _drain_unless_paused(engine)
+            try:
+                await load(tensors, req.flush_cache, req.weight_version)
+            finally:
+                engine.block_admission = False
+        return JSONResponse({"success": True, "message": ok})
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
+        req = parse_body(DestroyGroupRequest, await read_json(request))
+        await asyncio.to_thread(updater.destroy_group, req)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict[str, Any]:
+        body = await read_json(request)
+        version = body.get("new_version")
+        if not isinstance(version, str) or not version:
+            raise InvalidRequest("new_version must be a non-empty string")
+        if body.get("abort_all_requests", True):  # SGLang 0.5.23's default
+            await engine.run(lambda: engine.abort(None, "aborted for a weight version update"))
+        await engine.run(lambda: engine.set_weight_version(version))
+        return {"success": True, "message": f"weight version is {version}", "new_version": version}
+
+    @app.post("/update_weights_from_disk")
+    @app.post("/release_memory_occupation")
+    @app.post("/resume_memory_occupation")
+    async def refused(request: Request) -> JSONResponse:
+        msg = f"{request.url.path} is not supported by the built-in engine"
+        return error_response(request.url.path, msg)
+
+
+async def _drain_unless_paused(engine: Engine) -> None:
+    """SGLang's update waits for in-flight requests unless generation is paused."""
+    if engine.paused_mode is not None:
+        return
+    engine.block_admission = True
+    while await engine.run(engine.num_running):
+        await asyncio.sleep(0.01)
