@@ -105,9 +105,13 @@ def test_compose_stack_trains_under_podman(tmp_path: Path) -> None:
             state = _wait_for_training(ports, token, timeout_s=900)
             for name, port in ports.items():  # published on loopback, readiness open
                 assert httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200, name
-            status = stack.compose("exec", "-T", "trainer", "riptide", "status", "--config",
-                                   "/etc/riptide/config.toml", "--set",
-                                   f"run.admin_token={token}", timeout_s=120)
+            # podman exec, not `docker-compose exec`: an exec session made through podman's
+            # Docker API keeps its conmon for 5 minutes after it ended (--exit-delay 300).
+            trainer_id = stack.compose("ps", "-q", "trainer").stdout.strip()
+            status = subprocess.run(
+                ["podman", "exec", trainer_id, "riptide", "status", "--config",
+                 "/etc/riptide/config.toml", "--set", f"run.admin_token={token}"],
+                env=stack.env, capture_output=True, text=True, timeout=120)
             trainer_log = stack.logs("trainer")
         except Exception as exc:
             raise AssertionError(f"{exc}\n--- compose logs ---\n{stack.logs()[-8000:]}") from exc
