@@ -9,9 +9,12 @@ DEMO_STEPS ?= 3
 PYTEST_ARGS ?=
 
 RUNTIME_DEPS := redis-server:redis-server bwrap:bubblewrap git:git
-TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose
+# podman and debootstrap: the compose stack's test builds its images and runs them in podman.
+TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose podman:podman debootstrap:debootstrap
+# `make image`: the Riptide image, built offline (scripts/build_image.sh; BASE_IMAGE etc.).
+IMAGE ?= riptide:latest
 
-.PHONY: setup system-deps test-deps demo test lint typecheck compose-check protos bench clean
+.PHONY: setup system-deps test-deps demo test lint typecheck compose-check image protos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,6 +47,9 @@ typecheck: $(VENV)/.installed
 
 compose-check:
 	RIPTIDE_ADMIN_TOKEN=compose-check-token docker-compose config -q
+
+image: $(VENV)/.installed
+	PYTHON=$(PY) scripts/build_image.sh $(IMAGE)
 
 protos: $(VENV)/.installed
 	$(PY) scripts/gen_protos.py

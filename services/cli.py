@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="print the state of a running stack")
     status.add_argument("--config", type=Path, default=DEFAULT_RUN_DIR / "config.toml")
+    status.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value, as for serve (e.g. run.admin_token)")
     status.add_argument("--json", action="store_true", help="print raw JSON")
 
     model = sub.add_parser("model", help="model utilities")
@@ -108,7 +110,7 @@ def _status(args: argparse.Namespace) -> int:
     from services.common import status_report
     from services.deployment import load_config
 
-    report = status_report.collect(load_config(args.config))
+    report = status_report.collect(load_config(args.config, list(args.set)))
     print(json.dumps(report, indent=2) if args.json else status_report.render(report))
     return 0 if all(s.get("state") not in ("unreachable", "error") for s in report.values()) else 1
 
