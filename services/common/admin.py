@@ -31,7 +31,7 @@ def build_admin_app(runtime: ServiceRuntime, admin_token: str,
     @app.exception_handler(RiptideError)
     async def riptide_error(request: Request, exc: RiptideError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthenticated) else None
-        return JSONResponse(error_body(type(exc).__name__, str(exc)),
+        return JSONResponse(error_body(type(exc).__name__, quote(str(exc), 2000)),
                             status_code=exc.http_status, headers=headers)
 
     @app.exception_handler(RequestValidationError)

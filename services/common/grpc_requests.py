@@ -39,6 +39,12 @@ async def decode_stream(deserializer: Callable[[bytes], Any] | None,
         yield decode(deserializer, raw)
 
 
+def require(condition: bool, message: str) -> None:
+    """Raise InvalidRequest with `message` unless `condition` holds (a request field check)."""
+    if not condition:
+        raise InvalidRequest(message)
+
+
 def check_finite(message: Message, path: str = "") -> None:
     """Raise InvalidRequest naming the first float or double field that is NaN or infinite."""
     for field, value in message.ListFields():

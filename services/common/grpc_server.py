@@ -15,19 +15,22 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.errors import RiptideError, Unavailable
+from services.common.errors import RiptideError, Unavailable, quote
 from services.common.grpc_requests import decode, decode_stream
 
 log = logging.getLogger(__name__)
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 TOKEN_METADATA_KEY = "authorization"
+_MAX_DETAILS = 2000
 
 
 async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+    # Details travel in a header: cut them, so bad input of any size is never echoed whole.
     if isinstance(exc, RiptideError):
-        await context.abort(exc.grpc_code, str(exc))
+        await context.abort(exc.grpc_code, quote(str(exc), _MAX_DETAILS))
     log.exception("unhandled error in gRPC handler")
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    await context.abort(grpc.StatusCode.INTERNAL,
+                        quote(f"{type(exc).__name__}: {exc}", _MAX_DETAILS))
 
 
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], decoder: Callable[[Any], Any]

@@ -28,12 +28,17 @@ ADMIN_TOKEN = "router-test-admin-token"
 class RouterProcess:
     """A router service process; `settings` are [router] keys (policy, max_load_skew...)."""
 
-    def __init__(self, start_timeout_s: float = 30.0, **settings: Any) -> None:
+    def __init__(self, start_timeout_s: float = 30.0, grpc_token: str | None = None,
+                 **settings: Any) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="riptide-router-"))
         grpc_port, admin_port = free_ports(2)
         router = {"grpc_port": grpc_port, "admin_port": admin_port, **settings}
         lines = ["[run]", f'admin_token = "{ADMIN_TOKEN}"', 'log_format = "text"',
-                 'log_level = "warning"', "[router]"]
+                 'log_level = "warning"']
+        if grpc_token:
+            lines.append(f'grpc_token = "{grpc_token}"')
+        lines.append("[router]")
+        self.grpc_token = grpc_token
         # JSON scalars and lists of strings are valid TOML values.
         lines += [f"{key} = {json.dumps(value)}" for key, value in router.items()]
         config = self._dir / "router.toml"
@@ -70,10 +75,10 @@ class RouterProcess:
             return "(no log)"
 
     def channel(self) -> grpc.Channel:
-        return sync_channel(self.address)
+        return sync_channel(self.address, self.grpc_token)
 
     def aio_channel(self) -> grpc.aio.Channel:
-        return aio_channel(self.address)
+        return aio_channel(self.address, self.grpc_token)
 
     def stub(self) -> router_pb2_grpc.RouterStub:
         """A blocking Router stub on a channel kept for this process's lifetime."""
