@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from services.common.errors import InvalidRequest, PayloadTooLarge, RiptideError, Unauthenticated
+from services.common.errors import (
+    InvalidRequest,
+    PayloadTooLarge,
+    RiptideError,
+    Unauthenticated,
+    quote,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -37,8 +44,14 @@ def strict_json(body: bytes) -> Any:
     def no_constant(name: str) -> Any:
         raise InvalidRequest(f"body: {name} is not a JSON number; send a finite number")
 
+    def finite(text: str) -> float:
+        number = float(text)
+        if not math.isfinite(number):
+            raise InvalidRequest(f"body: {quote(text, 40)} is beyond the range of a float")
+        return number
+
     try:
-        value = json.loads(body, parse_constant=no_constant)
+        value = json.loads(body, parse_constant=no_constant, parse_float=finite)
     except RecursionError:
         raise InvalidRequest(f"body: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:

@@ -48,12 +48,11 @@ class ProbeTunables(StrictModel):
 
     max_widgets: int = Field(4, ge=1, description="a bounded knob")
     label: str = Field("probe", description="a free-form knob")
-    ratio: float = Field(0.5, ge=0, le=1, description="a bounded real knob")
 
 
 class ProbeRuntime(ServiceRuntime):
     name = "probe"
-    tunable_fields = frozenset({"max_widgets", "label", "ratio"})
+    tunable_fields = frozenset({"max_widgets", "label"})
 
     def __init__(self) -> None:
         super().__init__()

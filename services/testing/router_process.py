@@ -6,10 +6,12 @@ offers an admin client; gRPC stubs come from `channel()` / `aio_channel()`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,6 +23,7 @@ from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common import process
 from services.common.grpc_client import aio_channel, sync_channel
 from services.common.ports import free_ports
+from services.testing.sim_engine_process import SimEngineProcess
 
 ADMIN_TOKEN = "router-test-admin-token"
 
@@ -122,3 +125,19 @@ class RouterProcess:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def router_with_engine(grpc_token: str | None = None,
+                       **settings: Any) -> Iterator[tuple[RouterProcess, SimEngineProcess]]:
+    """A router process with one fast simulated engine registered; both stopped after."""
+    engine = SimEngineProcess(decode_s_per_token=0.0005)
+    try:
+        router = RouterProcess(grpc_token=grpc_token, **settings)
+        try:
+            router.register(engine.url)
+            yield router, engine
+        finally:
+            router.stop()
+    finally:
+        engine.stop()

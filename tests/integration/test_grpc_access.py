@@ -25,7 +25,7 @@ from services._proto.riptide.v1 import (
 )
 from services.common.grpc_server import call_metadata
 from services.testing.probe_service import ProbeProcess, probe_process
-from services.testing.router_process import RouterProcess
+from services.testing.router_process import RouterProcess, router_with_engine
 from services.testing.sim_engine_process import SimEngineProcess
 
 ADMIN, TOKEN = "admin-token-access", "grpc-token-access"
@@ -122,14 +122,8 @@ def test_non_finite_numbers_anywhere_in_a_message_are_refused(probe: ProbeProces
 
 @pytest.fixture(scope="module")
 def router() -> Iterator[tuple[RouterProcess, SimEngineProcess]]:
-    engine = SimEngineProcess(decode_s_per_token=0.0005)
-    router = RouterProcess(grpc_token=TOKEN, wait_for_target_s=2.0)
-    try:
-        router.register(engine.url)
-        yield router, engine
-    finally:
-        router.stop()
-        engine.stop()
+    with router_with_engine(grpc_token=TOKEN, wait_for_target_s=2.0) as running:
+        yield running
 
 
 def _status(router: RouterProcess) -> tuple[Any, list[str]]:
