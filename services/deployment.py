@@ -6,6 +6,7 @@ recipe load it here. Services never import it; each one receives its own section
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,16 @@ def validate_config(data: dict[str, Any], source: str = "config") -> Any:
     return validate_section(deployment_model(), data, source)
 
 
+#: Environment variables that set the run's secrets, so they never need a command line
+#: (which every local user can read in /proc); they win over the file and --set.
+SECRET_ENV = {"RIPTIDE_ADMIN_TOKEN": "admin_token", "RIPTIDE_GRPC_TOKEN": "grpc_token"}
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Any:
-    """Read a deployment TOML file, apply `section.key=value` overrides, validate."""
-    return validate_config(read_config_file(path, overrides), str(path))
+    """Read a deployment TOML file, apply `section.key=value` overrides and the secrets from
+    the environment (SECRET_ENV), validate."""
+    data = read_config_file(path, overrides)
+    for variable, key in SECRET_ENV.items():
+        if os.environ.get(variable):
+            data.setdefault("run", {})[key] = os.environ[variable]
+    return validate_config(data, str(path))

@@ -32,10 +32,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Any:
-    """A deployment config for one machine: loopback, free ports, a fresh admin token."""
+    """A deployment config for one machine: loopback, free ports, fresh admin and gRPC tokens
+    (the file is the only place they are written: children read them from it, not argv)."""
     ports = iter(free_ports(1 + 2 * len(SERVICE_ORDER)))
     data: dict[str, Any] = {
-        "run": {"name": "local", "admin_token": secrets.token_urlsafe(24), "log_format": "json"},
+        "run": {"name": "local", "admin_token": secrets.token_urlsafe(24),
+                "grpc_token": secrets.token_urlsafe(24), "log_format": "json"},
         "redis": {"url": f"redis://127.0.0.1:{next(ports)}/0"},
     }
     for name in SERVICE_ORDER:

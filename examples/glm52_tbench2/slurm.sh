@@ -26,10 +26,12 @@ TRAIN=("${NODES[@]:0:8}")
 INFER=("${NODES[@]:8}")
 
 [ -r "${RIPTIDE_TOKEN_FILE:-}" ] || { echo "set RIPTIDE_TOKEN_FILE" >&2; exit 2; }
-TOKEN="$(cat "$RIPTIDE_TOKEN_FILE")"
+# Secrets travel in the environment (srun passes it on), never on a command line.
+RIPTIDE_ADMIN_TOKEN="$(cat "$RIPTIDE_TOKEN_FILE")"
+export RIPTIDE_ADMIN_TOKEN
 urls=""
 for node in "${INFER[@]}"; do urls+="\"http://$node:$ENGINE_PORT\","; done
-SETS=(--set "run.admin_token=\"$TOKEN\"" --set "redis.url=\"redis://$HEAD:6379/0\""
+SETS=(--set "redis.url=\"redis://$HEAD:6379/0\""
       --set "rollout.fleet.attach_urls=[${urls%,}]"
       --set "trainer.weight_sync.rollout_address=\"$HEAD:50052\"")
 for svc in router sandbox rollout; do SETS+=(--set "$svc.host=\"$HEAD\""); done

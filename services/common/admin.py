@@ -1,44 +1,57 @@
-"""The admin REST app every service serves: health, readiness, metrics, state and tuning."""
+"""The admin REST app every service serves: health, readiness, metrics, state and tuning.
+
+Every route under /admin/ sits behind the bearer token, checked (with the body size cap and
+strict JSON) by AdminGuard before anything else runs (services/common/admin_guard.py).
+Every error, whatever raised it, is answered in one envelope: {"error": {"type", "message"}}.
+"""
 
 from __future__ import annotations
 
-import hmac
+import logging
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from services.common import metrics
-from services.common.errors import RiptideError, Unauthenticated
+from services.common.admin_guard import AdminGuard, error_body
+from services.common.errors import RiptideError, Unauthenticated, quote
 from services.common.service import ServiceRuntime
 
-
-def _error_body(kind: str, message: str) -> dict[str, Any]:
-    return {"error": {"type": kind, "message": message}}
+log = logging.getLogger(__name__)
 
 
-def build_admin_app(runtime: ServiceRuntime, admin_token: str) -> FastAPI:
-    """FastAPI app with /healthz, /readyz, /metrics and the token-guarded /admin/ routes."""
+def build_admin_app(runtime: ServiceRuntime, admin_token: str,
+                    max_body_bytes: int = 1 << 20) -> AdminGuard:
+    """The ASGI app with /healthz, /readyz, /metrics and the token-guarded /admin/ routes."""
     app = FastAPI(title=f"riptide {runtime.name} admin", docs_url=None, redoc_url=None)
-    expected = f"Bearer {admin_token}".encode()
-
-    def require_token(request: Request) -> None:
-        sent = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(sent, expected):
-            raise Unauthenticated("missing or wrong bearer token for /admin/")
 
     @app.exception_handler(RiptideError)
     async def riptide_error(request: Request, exc: RiptideError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthenticated) else None
-        return JSONResponse(_error_body(type(exc).__name__, str(exc)),
+        return JSONResponse(error_body(type(exc).__name__, quote(str(exc), 2000)),
                             status_code=exc.http_status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        return JSONResponse(_error_body("InvalidRequest", problems), status_code=400)
+            f"{'.'.join(quote(p, 40) for p in e['loc'])}: {quote(e['msg'], 200)}"
+            for e in exc.errors()[:5])
+        return JSONResponse(error_body("InvalidRequest", problems), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, "HTTPError")
+        return JSONResponse(error_body(kind, quote(exc.detail, 200)),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in admin route %s", request.url.path)
+        return JSONResponse(error_body("InternalError", f"{type(exc).__name__}: "
+                                        f"{quote(str(exc), 200)}"), status_code=500)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -54,27 +67,25 @@ def build_admin_app(runtime: ServiceRuntime, admin_token: str) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    guard = [Depends(require_token)]
-
-    @app.get("/admin/state", dependencies=guard)
+    @app.get("/admin/state")
     async def state() -> dict[str, Any]:
         return runtime.status()
 
-    @app.post("/admin/pause", dependencies=guard)
+    @app.post("/admin/pause")
     async def pause() -> dict[str, Any]:
         await runtime.pause()
         return runtime.status()
 
-    @app.post("/admin/resume", dependencies=guard)
+    @app.post("/admin/resume")
     async def resume() -> dict[str, Any]:
         await runtime.resume()
         return runtime.status()
 
-    @app.patch("/admin/config", dependencies=guard)
+    @app.patch("/admin/config")
     async def patch_config(patch: dict[str, Any]) -> dict[str, Any]:
         return {"config": runtime.apply_config_patch(patch)}
 
     extra = runtime.admin_routes()
     if extra is not None:
-        app.include_router(extra, prefix="/admin", dependencies=guard)
-    return app
+        app.include_router(extra, prefix="/admin")
+    return AdminGuard(app, admin_token, max_body_bytes)

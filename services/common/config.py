@@ -12,13 +12,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.common.errors import ConfigError
+from services.common.errors import ConfigError, quote
 
 
 class StrictModel(BaseModel):
-    """A config model that rejects unknown keys and re-validates on assignment."""
+    """A config model that rejects unknown keys and NaN or infinite numbers, and re-validates
+    on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ServiceConfig(StrictModel):
@@ -47,7 +48,11 @@ class RunConfig(StrictModel):
 
     name: str = Field("local", pattern=r"^[A-Za-z0-9_.-]+$", description="run name in Redis keys")
     admin_token: str = Field(min_length=8, description="bearer token for every /admin/ route")
-    grpc_token: str | None = Field(None, description="shared token gRPC peers must send")
+    grpc_token: str | None = Field(
+        None, min_length=8, description="shared token every gRPC call must carry (all but "
+        "health checks); `riptide up` generates one")
+    admin_max_body_kb: int = Field(
+        1024, ge=1, le=1 << 20, description="largest admin REST request body (413 above)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")
     log_format: Literal["json", "text"] = Field("json", description="structured or human logs")
 
@@ -83,9 +88,9 @@ def _apply(data: dict[str, Any], path: list[str], value: Any) -> None:
 
 def format_validation_error(source: str, exc: ValidationError) -> str:
     lines = [f"{source}: invalid config"]
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        lines.append(f"  {where}: {err['msg']}")
+    for err in exc.errors()[:10]:
+        where = ".".join(quote(p, 40) for p in err["loc"]) or "(top level)"
+        lines.append(f"  {where}: {quote(err['msg'], 200)}")
     return "\n".join(lines)
 
 

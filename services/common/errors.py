@@ -26,6 +26,13 @@ class InvalidRequest(RiptideError):
     http_status = 400
 
 
+class PayloadTooLarge(InvalidRequest):
+    """A request body is larger than the service accepts."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 413
+
+
 class NotFound(RiptideError):
     """A named thing (task, engine, group) does not exist."""
 
@@ -66,3 +73,10 @@ class Unauthenticated(RiptideError):
 
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
     http_status = 401
+
+
+def quote(value: object, limit: int = 64) -> str:
+    """`value` for an error message: its repr, cut to `limit` characters, so bad input of
+    any size is echoed as a short prefix only."""
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"

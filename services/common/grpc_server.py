@@ -1,7 +1,12 @@
-"""gRPC server bootstrap: health service, error mapping and an optional shared token."""
+"""gRPC server bootstrap: health service, error mapping and an optional shared token.
+
+When `run.grpc_token` is set every call but grpc.health.v1 must carry it, mutating or not:
+GetStatus and ListTasks reveal the run's state, Generate and RunEpisode spend its engines.
+"""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -10,24 +15,29 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.errors import RiptideError, Unavailable
+from services.common.errors import RiptideError, Unavailable, quote
+from services.common.grpc_requests import decode, decode_stream
 
 log = logging.getLogger(__name__)
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 TOKEN_METADATA_KEY = "authorization"
+_MAX_DETAILS = 2000
 
 
 async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+    # Details travel in a header: cut them, so bad input of any size is never echoed whole.
     if isinstance(exc, RiptideError):
-        await context.abort(exc.grpc_code, str(exc))
+        await context.abort(exc.grpc_code, quote(str(exc), _MAX_DETAILS))
     log.exception("unhandled error in gRPC handler")
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    await context.abort(grpc.StatusCode.INTERNAL,
+                        quote(f"{type(exc).__name__}: {exc}", _MAX_DETAILS))
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], decoder: Callable[[Any], Any]
+                ) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            return await behavior(decoder(request), context)
         except (grpc.aio.AbortError, grpc.RpcError) as exc:
             raise exc
         except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
@@ -36,10 +46,11 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
     return wrapped
 
 
-def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], decoder: Callable[[Any], Any]
+                 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in behavior(request, context):
+            async for item in behavior(decoder(request), context):
                 yield item
         except (grpc.aio.AbortError, grpc.RpcError) as exc:
             raise exc
@@ -50,31 +61,31 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turn RiptideError into its status code and anything else into INTERNAL with the cause."""
+    """Decode and check each request (INVALID_ARGUMENT when malformed), turn RiptideError
+    into its status code and anything else into INTERNAL with the cause."""
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
         if handler is None or details.method.startswith(_HEALTH_PREFIX):
             return handler
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream), handler.request_deserializer,
-                handler.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream), handler.request_deserializer,
-            handler.response_serializer)
+        parse = handler.request_deserializer
+        one = functools.partial(decode, parse)
+        many = functools.partial(decode_stream, parse)
+        # The handler gets raw bytes (no deserializer) and decodes them itself, inside the
+        # wrapper, so a malformed message becomes InvalidRequest like any handler's error.
+        kinds = (
+            (handler.unary_unary, grpc.unary_unary_rpc_method_handler, _wrap_unary, one),
+            (handler.stream_unary, grpc.stream_unary_rpc_method_handler, _wrap_unary, many),
+            (handler.unary_stream, grpc.unary_stream_rpc_method_handler, _wrap_stream, one),
+            (handler.stream_stream, grpc.stream_stream_rpc_method_handler, _wrap_stream, many),
+        )
+        behavior, make, wrap, decoder = next(k for k in kinds if k[0] is not None)
+        return make(wrap(behavior, decoder), None, handler.response_serializer)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Reject calls without `authorization: Bearer <token>`; health checks stay open."""
+    """Reject calls without `authorization: Bearer <token>` before any handler runs; health
+    checks stay open."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
@@ -85,11 +96,27 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         sent = dict(details.invocation_metadata or ()).get(TOKEN_METADATA_KEY, "")
         if hmac.compare_digest(str(sent).encode(), self._expected):
             return await continuation(details)
+        handler = await continuation(details)  # only looked up, to answer in its own shape
+        return _denial(handler)
 
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong gRPC token")
 
+def _denial(handler: Any) -> Any:
+    """A handler of the same streaming kind as `handler` that reads nothing and refuses."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong gRPC token")
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await deny(request, context)
+        yield None  # pragma: no cover - abort raised
+
+    if handler is None or handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(deny)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny_stream)
+    return grpc.stream_stream_rpc_method_handler(deny_stream)
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

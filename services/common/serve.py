@@ -57,7 +57,7 @@ async def serve(runtime: ServiceRuntime, section: ServiceConfig, run: Any,
         admin_socket.close()
         await grpc_server.server.stop(None)
         raise
-    app = build_admin_app(runtime, run.admin_token)
+    app = build_admin_app(runtime, run.admin_token, run.admin_max_body_kb * 1024)
     admin = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                           lifespan="off"))
     # Signals are ours: the admin server must be the last thing to stop, not the first.

@@ -13,7 +13,7 @@ import grpc
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from services.common.errors import ConfigError, Conflict
+from services.common.errors import ConfigError, Conflict, quote
 
 
 class ServiceRuntime:
@@ -80,7 +80,7 @@ class ServiceRuntime:
         unknown = sorted(set(patch) - self.tunable_fields)
         if unknown:
             raise ConfigError(
-                f"not tunable live: {', '.join(unknown)}; "
+                f"not tunable live: {', '.join(quote(k, 40) for k in unknown[:5])}; "
                 f"tunable: {', '.join(sorted(self.tunable_fields))}"
             )
         from pydantic import ValidationError
@@ -88,8 +88,8 @@ class ServiceRuntime:
         from services.common.config import format_validation_error
 
         merged = {**self.tunable.model_dump(), **patch}
-        try:
-            candidate = type(self.tunable).model_validate(merged)
+        try:  # strict: "8" or true is not the number 8 or 1 in a live patch
+            candidate = type(self.tunable).model_validate(merged, strict=True)
         except ValidationError as exc:
             raise ConfigError(format_validation_error("patch", exc)) from None
         for key in patch:

@@ -15,21 +15,27 @@ PauseMode = Literal["abort", "retract", "in_place"]
 class SchedulerConfig(StrictModel):
     """How many episodes run at once and when a new one may start (all live-tunable)."""
 
-    max_concurrent_samples: int = Field(128, ge=1, description="episodes kept in flight")
+    max_concurrent_samples: int = Field(
+        128, ge=1, le=1_000_000, description="episodes kept in flight")
     granularity: Granularity = Field(
         "sample", description="sample: refill each freed slot at once; group: a whole group")
     max_staleness: int | None = Field(
-        8, ge=0, description="weight versions a group may lag the trainer (None: unbounded)")
-    n_samples_per_prompt: int = Field(8, ge=1, description="episodes per task in one group")
+        8, ge=0, le=1_000_000,
+        description="weight versions a group may lag the trainer (None: unbounded)")
+    n_samples_per_prompt: int = Field(
+        8, ge=1, le=4096, description="episodes per task in one group")
     num_groups_per_batch: int = Field(
-        8, ge=1, description="groups the trainer consumes per weight version (staleness budget)")
+        8, ge=1, le=100_000,
+        description="groups the trainer consumes per weight version (staleness budget)")
     drop_zero_variance_groups: bool = Field(
         False, description="drop groups whose samples all have the same reward")
     max_queued_groups: int = Field(
-        16, ge=1, description="finished groups waiting for the buffer before admission stops")
-    temperature: float = Field(0.8, ge=0, description="sampling temperature of every turn")
+        16, ge=1, le=1_000_000,
+        description="finished groups waiting for the buffer before admission stops")
+    temperature: float = Field(0.8, ge=0, le=100, description="sampling temperature of every turn")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of every turn")
-    max_new_tokens: int = Field(8192, ge=1, description="new tokens at most per turn")
+    max_new_tokens: int = Field(
+        8192, ge=1, le=10_000_000, description="new tokens at most per turn")
 
     @property
     def batch_samples(self) -> int:

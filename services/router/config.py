@@ -24,41 +24,51 @@ class RouterConfig(ServiceConfig):
 
     policy: PolicyName = Field("sticky_min_load", description="routing policy (live-tunable)")
     reprefill_s_per_1k_tokens: float = Field(
-        0.05, ge=0, description="sticky_min_load: engines' time to prefill 1k uncached tokens; "
-        "a session moves for load only when queueing at home costs more than this for its "
-        "cached context")
+        0.05, ge=0, le=3600,
+        description="sticky_min_load: engines' time to prefill 1k uncached tokens; a session "
+        "moves for load only when queueing at home costs more than this for its cached context")
     min_calls_between_moves: int = Field(
-        8, ge=1, description="sticky_min_load: a session moves for load at most once per this "
-        "many of its calls")
+        8, ge=1, le=1_000_000,
+        description="sticky_min_load: a session moves for load at most once per this many of "
+        "its calls")
     session_idle_s: float = Field(
-        300.0, gt=0, description="sticky_min_load counts a session as live on its target until "
-        "EndSession or until it has made no call for this long (a safety net: set above the "
-        "longest tool time)")
+        300.0, gt=0, le=86_400,
+        description="sticky_min_load counts a session as live on its target until EndSession "
+        "or until it has made no call for this long (a safety net: set above the longest "
+        "tool time)")
     max_sticky_sessions: int = Field(
-        200_000, ge=1, description="sessions remembered by sticky_min_load (least recent go)")
+        200_000, ge=1, le=100_000_000,
+        description="sessions remembered by sticky_min_load (least recent go)")
     num_virtual_nodes: int = Field(
-        160, ge=1, description="consistent_hash: points on the ring per target")
+        160, ge=1, le=10_000, description="consistent_hash: points on the ring per target")
 
-    health_interval_s: float = Field(2.0, gt=0, description="period of /health checks")
-    health_timeout_s: float = Field(2.0, gt=0, description="timeout of one health check")
+    health_interval_s: float = Field(
+        2.0, gt=0, le=3600, description="period of /health checks")
+    health_timeout_s: float = Field(
+        2.0, gt=0, le=3600, description="timeout of one health check")
     unhealthy_after_failures: int = Field(
-        3, ge=1, description="consecutive failed health checks that eject a target")
+        3, ge=1, le=10_000, description="consecutive failed health checks that eject a target")
     healthy_after_successes: int = Field(
-        2, ge=1, description="consecutive passed health checks that re-admit an ejected one")
+        2, ge=1, le=10_000,
+        description="consecutive passed health checks that re-admit an ejected one")
     circuit_open_after_failures: int = Field(
-        5, ge=1, description="consecutive failed calls that open a target's circuit breaker")
+        5, ge=1, le=10_000,
+        description="consecutive failed calls that open a target's circuit breaker")
     circuit_open_s: float = Field(
-        10.0, gt=0, description="how long an open circuit takes no calls before one trial call")
+        10.0, gt=0, le=86_400,
+        description="how long an open circuit takes no calls before one trial call")
 
     connect_timeout_s: float = Field(2.0, gt=0, description="connecting to an engine")
     generate_timeout_s: float = Field(
         900.0, gt=0, description="one /generate call, from sending to the last byte")
     max_retries: int = Field(
-        2, ge=0, description="retries on other targets of calls that never reached an engine")
+        2, ge=0, le=100,
+        description="retries on other targets of calls that never reached an engine")
     wait_for_target_s: float = Field(
-        30.0, ge=0, description="how long a call waits for a routable target before failing")
+        30.0, ge=0, le=86_400,
+        description="how long a call waits for a routable target before failing")
     max_connections: int = Field(
-        2048, ge=1, description="pooled HTTP connections to all engines together")
+        2048, ge=1, le=1_000_000, description="pooled HTTP connections to all engines together")
     drain_timeout_s: float = Field(
         600.0, gt=0, description="deregister with drain: longest wait for in-flight calls")
     initial_weight_version: int | None = Field(

@@ -14,16 +14,19 @@ import time
 from typing import Any
 
 from services.common.engine_client import EngineCallError, EngineClient
-from services.common.errors import InvalidRequest, NotFound, Unavailable
+from services.common.errors import InvalidRequest, NotFound, Unavailable, quote
 from services.router.targets import Engine, Target
 
 log = logging.getLogger(__name__)
+_MAX_URL_CHARS = 2048
 
 
 def normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")
+    if len(url) > _MAX_URL_CHARS:
+        raise InvalidRequest(f"engine url {quote(url)!r} is longer than {_MAX_URL_CHARS} chars")
     if not url.startswith(("http://", "https://")):
-        raise InvalidRequest(f"engine url {url!r} must start with http:// or https://")
+        raise InvalidRequest(f"engine url {quote(url)!r} must start with http:// or https://")
     return url
 
 
@@ -99,7 +102,7 @@ class EngineRegistry:
         url = normalize_url(url)
         engine = self.engines.get(url)
         if engine is None:
-            raise NotFound(f"engine {url} is not registered")
+            raise NotFound(f"engine {quote(url)} is not registered")
         engine.leaving = True
         self.notify()
         if drain:
@@ -115,10 +118,10 @@ class EngineRegistry:
         """The targets of `url` (one rank, or all of them when dp_rank is None)."""
         engine = self.engines.get(normalize_url(url))
         if engine is None:
-            raise NotFound(f"engine {url} is not registered")
+            raise NotFound(f"engine {quote(url)} is not registered")
         chosen = [t for t in engine.targets if dp_rank is None or t.dp_rank == dp_rank]
         if not chosen:
-            raise NotFound(f"engine {url} has no dp rank {dp_rank}")
+            raise NotFound(f"engine {quote(url)} has no dp rank {dp_rank}")
         return chosen
 
     def set_drain(self, url: str, dp_rank: int | None, draining: bool) -> list[Target]:

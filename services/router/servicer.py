@@ -14,6 +14,7 @@ import orjson
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.engine_contract import weight_version_spans
 from services.common.errors import InvalidRequest
+from services.common.grpc_requests import require
 from services.common.service import status_message
 
 if TYPE_CHECKING:
@@ -21,7 +22,13 @@ if TYPE_CHECKING:
 
 
 def sampling_params(params: common_pb2.SamplingParams) -> dict[str, Any]:
-    """SGLang sampling_params from the proto (zero means the engine default where noted)."""
+    """SGLang sampling_params from the proto (zero means the engine default where noted);
+    InvalidRequest for values no engine accepts."""
+    require(0 <= params.temperature <= 100, "sampling_params.temperature: must be in [0, 100]")
+    require(0 <= params.top_p <= 1, "sampling_params.top_p: must be in [0, 1] (0: default)")
+    require(params.top_k >= -1, "sampling_params.top_k: must be -1 (all), 0 (default) or more")
+    require(all(t >= 0 for t in params.stop_token_ids),
+            "sampling_params.stop_token_ids: token ids are never negative")
     out: dict[str, Any] = {"temperature": params.temperature}
     if params.max_new_tokens:
         out["max_new_tokens"] = params.max_new_tokens
@@ -68,6 +75,7 @@ def sglang_fields(text: str) -> dict[str, Any]:
 def generate_body(request: router_pb2.GenerateRequest) -> dict[str, Any]:
     if not request.input_ids:
         raise InvalidRequest("input_ids is empty")
+    require(min(request.input_ids) >= 0, "input_ids: token ids are never negative")
     fields = sglang_fields(request.sglang_fields_json)
     params = sampling_params(request.sampling_params)
     params.update(fields.pop("sampling_params", {}))
@@ -134,6 +142,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def SetWeightVersion(self, request: router_pb2.SetWeightVersionRequest,  # noqa: N802
                                context: grpc.aio.ServicerContext
                                ) -> router_pb2.SetWeightVersionResponse:
+        require(request.weight_version >= 0, "weight_version: must be 0 or more")
         await self.runtime.set_weight_version(request.weight_version)
         return router_pb2.SetWeightVersionResponse()
 

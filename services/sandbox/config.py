@@ -87,9 +87,11 @@ class SandboxConfig(ServiceConfig):
     tasks_dir: str = Field("tasks", description="directory of tasks in terminal-bench-2 layout")
     provider: ProviderSection = Field(default_factory=LocalProviderConfig,
                                       description="which sandboxes run episodes")
-    max_concurrent_episodes: int = Field(64, ge=1, description="episodes running at once; "
+    max_concurrent_episodes: int = Field(64, ge=1, le=100_000,
+                                         description="episodes running at once; "
                                                                "tunable live")
-    max_concurrent_creates: int = Field(8, ge=1, description="sandbox creates in flight at once; "
+    max_concurrent_creates: int = Field(8, ge=1, le=10_000,
+                                        description="sandbox creates in flight at once; "
                                                              "tunable live")
     delete_timeout_s: float = Field(60.0, gt=0, description="limit of one sandbox delete")
     model_client: Literal["router", "scripted"] = Field(

@@ -6,10 +6,12 @@ offers an admin client; gRPC stubs come from `channel()` / `aio_channel()`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,6 +23,7 @@ from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common import process
 from services.common.grpc_client import aio_channel, sync_channel
 from services.common.ports import free_ports
+from services.testing.sim_engine_process import SimEngineProcess
 
 ADMIN_TOKEN = "router-test-admin-token"
 
@@ -32,6 +35,7 @@ class RouterProcess:
     """
 
     def __init__(self, start_timeout_s: float = 30.0, http_front: bool = False,
+                 grpc_token: str | None = None,
                  **settings: Any) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="riptide-router-"))
         grpc_port, admin_port, http_port = free_ports(3)
@@ -40,7 +44,11 @@ class RouterProcess:
             router["http_port"] = http_port
         self.http_url = f"http://127.0.0.1:{http_port}" if http_front else ""
         lines = ["[run]", f'admin_token = "{ADMIN_TOKEN}"', 'log_format = "text"',
-                 'log_level = "warning"', "[router]"]
+                 'log_level = "warning"']
+        if grpc_token:
+            lines.append(f'grpc_token = "{grpc_token}"')
+        lines.append("[router]")
+        self.grpc_token = grpc_token
         # JSON scalars and lists of strings are valid TOML values.
         lines += [f"{key} = {json.dumps(value)}" for key, value in router.items()]
         config = self._dir / "router.toml"
@@ -77,10 +85,10 @@ class RouterProcess:
             return "(no log)"
 
     def channel(self) -> grpc.Channel:
-        return sync_channel(self.address)
+        return sync_channel(self.address, self.grpc_token)
 
     def aio_channel(self) -> grpc.aio.Channel:
-        return aio_channel(self.address)
+        return aio_channel(self.address, self.grpc_token)
 
     def stub(self) -> router_pb2_grpc.RouterStub:
         """A blocking Router stub on a channel kept for this process's lifetime."""
@@ -128,3 +136,19 @@ class RouterProcess:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def router_with_engine(grpc_token: str | None = None,
+                       **settings: Any) -> Iterator[tuple[RouterProcess, SimEngineProcess]]:
+    """A router process with one fast simulated engine registered; both stopped after."""
+    engine = SimEngineProcess(decode_s_per_token=0.0005)
+    try:
+        router = RouterProcess(grpc_token=grpc_token, **settings)
+        try:
+            router.register(engine.url)
+            yield router, engine
+        finally:
+            router.stop()
+    finally:
+        engine.stop()

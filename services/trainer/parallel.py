@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import ConfigError
+from services.common.weight_group import rendezvous_store
 from services.trainer.cpu_shim import apply_cpu_shim
 from services.trainer.model_config import ParallelConfig
 
@@ -117,13 +118,10 @@ def init_parallel(
     if not dist.is_initialized():
         addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = master_port or _env_int("MASTER_PORT", 29500)
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=config.init_timeout_s),
-        )
+        timeout = timedelta(seconds=config.init_timeout_s)
+        store = rendezvous_store(addr, port, rank, world_size, timeout)  # on addr alone
+        dist.init_process_group(backend=backend, store=store, rank=rank,
+                                world_size=world_size, timeout=timeout)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import signal
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,42 +12,18 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2, sandbox_pb2_grpc, trainer_pb2_grpc
-from services.common import process
 from services.common.grpc_server import call_metadata
-from services.common.ports import free_ports
+from services.testing.probe_service import probe_process
 
 ADMIN = "admin-token-123"
 GRPC_TOKEN = "grpc-token-456"
 
 
-def _wait_ready(url: str, proc: object, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "probe service exited while starting"  # type: ignore[attr-defined]
-        try:
-            if httpx.get(url, timeout=0.5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} not ready")
-
-
 @pytest.fixture
 def probe(tmp_path: Path) -> Iterator[dict[str, object]]:
-    grpc_port, admin_port = free_ports(2)
-    config = tmp_path / "probe.toml"
-    config.write_text(
-        f'[run]\nadmin_token = "{ADMIN}"\ngrpc_token = "{GRPC_TOKEN}"\nlog_format = "text"\n'
-        f"[trainer]\ngrpc_port = {grpc_port}\nadmin_port = {admin_port}\n")
-    proc = process.spawn([sys.executable, "-m", "services.testing.probe_service",
-                          "--config", str(config)], log_path=tmp_path / "probe.log")
-    try:
-        _wait_ready(f"http://127.0.0.1:{admin_port}/readyz", proc)
-        yield {"proc": proc, "grpc": f"127.0.0.1:{grpc_port}",
-               "admin": f"http://127.0.0.1:{admin_port}", "log": tmp_path / "probe.log"}
-    finally:
-        process.stop(proc)
+    with probe_process(tmp_path, ADMIN, GRPC_TOKEN) as running:
+        yield {"proc": running.proc, "grpc": running.grpc, "admin": running.admin,
+               "log": running.log}
 
 
 def test_grpc_health_reports_serving(probe: dict[str, object]) -> None:
@@ -119,7 +93,7 @@ def test_pause_resume_and_live_config(probe: dict[str, object]) -> None:
     assert unknown.status_code == 400 and "max_widgts" in unknown.json()["error"]["message"]
     state = httpx.get(f"{admin}/admin/state", headers=auth).json()
     # The rejected patches changed nothing, not even the valid half of the mixed one.
-    assert state["details"] == {"max_widgets": 9, "changes": ["max_widgets"]}
+    assert state["details"] == {"max_widgets": 9, "changes": ["max_widgets"], "calls": []}
 
 
 def test_sigterm_shuts_down_cleanly(probe: dict[str, object]) -> None:

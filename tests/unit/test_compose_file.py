@@ -55,12 +55,14 @@ def test_every_service_is_in_the_compose_file(compose: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("name", SERVICES)
-def test_service_command_is_accepted_by_riptide_serve(compose: dict[str, Any], name: str) -> None:
+def test_service_command_is_accepted_by_riptide_serve(compose: dict[str, Any], name: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     service = compose["services"][name]
     args = _parser().parse_args(service["command"])
     assert (args.command, args.service) == ("serve", name)
     for key, value in (service.get("environment") or {}).items():
         assert value is not None, f"{name}: environment {key} has no value"
+        monkeypatch.setenv(key, str(value))  # as the container's `riptide serve` sees it
     config = load_config(_mounted_config(service, str(args.config)), args.set)
     assert config.run.admin_token == TOKEN
     section = getattr(config, name)

@@ -138,9 +138,11 @@ class SandboxRun:
     """One sandboxed process: start, wait with a timeout, kill its whole pid namespace."""
 
     def __init__(
-        self, argv: Callable[[int], list[str]], uid: int | None, max_output_bytes: int
+        self, argv: Callable[[int], list[str]], uid: int | None, max_output_bytes: int,
+        enter: Sequence[str] = (),
     ) -> None:
         self._argv, self._uid, self._cap = argv, uid, max_output_bytes
+        self._enter = list(enter)  # runs first, as the provider: e.g. joining a cgroup
         self._proc: asyncio.subprocess.Process | None = None
         self._status_r = -1
         self._status: dict[str, int] = {}
@@ -160,6 +162,7 @@ class SandboxRun:
                 # not run gRPC's fork handlers in the child (they break it in a gRPC server).
                 argv = ["setpriv", f"--reuid={self._uid}", f"--regid={self._uid}",
                         "--clear-groups", *argv]
+            argv = [*self._enter, *argv]
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,

@@ -3,7 +3,10 @@
 Each sandbox is a directory tree (providers/local_tree.py) that every command sees as `/`,
 run by a fresh `bwrap` per command (providers/bwrap.py) with no network, no view of host
 files outside the tree, and rlimits; as root each sandbox also gets a host uid of its own
-(providers/local_uids.py). Built by `make_provider` for `type = "local"`.
+(providers/local_uids.py). Where the host allows, a sandbox's total memory and processes are
+capped by a cgroup of its own (providers/local_cgroups.py) and its tree is a tmpfs of the
+task's storage size; where not, a warning says so and only the per-process rlimits hold.
+Built by `make_provider` for `type = "local"`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import logging
 import math
 import os
 import shutil
@@ -30,9 +34,13 @@ from services.common.config import StrictModel
 from services.sandbox.provider import ExecResult, SandboxError, SandboxHandle, SandboxProvider
 from services.sandbox.providers import local_tree
 from services.sandbox.providers.bwrap import Limits, SandboxRun, bwrap_argv, limit_argv
+from services.sandbox.providers.local_cgroups import CgroupHost, SandboxCgroup
 from services.sandbox.providers.local_uids import UidPool, kill_uid, threads_of_uid
 from services.sandbox.task import Task
 
+log = logging.getLogger(__name__)
+#: pids of a command that are bubblewrap's own (its parent and pid 1), beyond the task's.
+_BWRAP_PROCESSES = 4
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _TRANSFER_TIMEOUT_S = 120.0
 
@@ -46,8 +54,17 @@ class LocalProviderConfig(StrictModel):
     )
     bwrap_path: str = Field("/usr/bin/bwrap", description="the bubblewrap binary")
     max_processes: int = Field(256, ge=8, description="processes+threads per sandbox (NPROC)")
-    max_memory_mb: int = Field(4096, ge=64, description="cap on a task's memory (RLIMIT_AS)")
-    max_storage_mb: int = Field(10240, ge=1, description="cap on a task's largest file (FSIZE)")
+    max_memory_mb: int = Field(4096, ge=64, description="cap on a task's memory: all its "
+                               "processes together (cgroup) and each one's RLIMIT_AS")
+    max_storage_mb: int = Field(10240, ge=1, description="cap on a task's storage: its tree's "
+                                "tmpfs size (as root) and the largest file (FSIZE)")
+    use_cgroups: bool = Field(True, description="cap each sandbox's memory and processes with "
+                              "a cgroup (v2, or v1 memory+pids) when the host allows")
+    cgroup_parent: str = Field("riptide-sandboxes", pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$",
+                               description="cgroup (relative to each hierarchy's root) that "
+                               "holds the sandboxes' cgroups")
+    tmpfs_per_sandbox: bool = Field(True, description="give each sandbox tree a tmpfs of the "
+                                    "task's storage size when the provider may mount (root)")
     max_output_kb: int = Field(1024, ge=1, description="output kept per command (head+tail)")
     pin_cpus: bool = Field(True, description="pin each sandbox to the task's number of CPUs")
     uid_base: int = Field(620000, ge=1000, description="first host uid of sandboxes (as root)")
@@ -61,6 +78,7 @@ class _Sandbox:
     uid: int | None
     limits: Limits
     env: dict[str, str]
+    cgroup: SandboxCgroup | None = None
     runs: set[SandboxRun] = field(default_factory=set)
     deleted: bool = False
 
@@ -95,11 +113,44 @@ class LocalProvider(SandboxProvider):
         self._cpu_ids = sorted(os.sched_getaffinity(0))
         self._next_cpu = 0
         self._create_ms: list[float] = []
+        self._cgroups: CgroupHost | None = None
+        self._tmpfs = False
         try:
             self._probe()
+            self._detect_caps()
         except BaseException:
             local_tree.remove_tree(self._dir)
             raise
+
+    def _detect_caps(self) -> None:
+        """Choose the sandbox-wide caps this host allows, and say what falls back."""
+        if self.config.use_cgroups:
+            self._cgroups, note = CgroupHost.detect(self.config.cgroup_parent, self._dir.name)
+            if self._cgroups is None:
+                log.warning("local sandboxes: no writable cgroup hierarchy (%s); memory and "
+                            "processes are capped per process only (rlimits)", note)
+            else:
+                self._cgroups.remove_dead_instances()
+                log.info("local sandboxes: memory and processes capped per sandbox by %s", note)
+        if self.config.tmpfs_per_sandbox:
+            probe = self._dir / "tmpfs-probe"
+            probe.mkdir()
+            try:
+                local_tree.mount_tmpfs(probe, 1)
+                local_tree.unmount(probe)
+                self._tmpfs = True
+            except OSError as exc:
+                log.warning("local sandboxes: cannot mount a tmpfs per sandbox (%s); storage "
+                            "is capped per file only (RLIMIT_FSIZE)", exc.strerror)
+            finally:
+                probe.rmdir()
+
+    @property
+    def caps(self) -> dict[str, str]:
+        """How memory, processes and storage are capped here."""
+        group = f"cgroup {self._cgroups.kind}" if self._cgroups else "rlimits per process"
+        return {"memory": group, "processes": group,
+                "storage": "tmpfs per sandbox" if self._tmpfs else "RLIMIT_FSIZE per file"}
 
     def _probe(self) -> None:
         """Fail loudly now if this machine cannot make user namespaces: never run unsandboxed."""
@@ -150,8 +201,13 @@ class LocalProvider(SandboxProvider):
         sandbox_id = f"sbx-{uuid.uuid4().hex[:12]}"
         root = self._dir / sandbox_id
         uid = self._uids.lease() if self._uids else None
+        limits = self._limits(task)
+        cgroup = None
         try:
-            await self._fs_op(self._make_tree, root, plan, uid)
+            await self._fs_op(self._make_tree, root, plan, uid, limits.file_size_mb)
+            if self._cgroups is not None:
+                cgroup = self._cgroups.create(sandbox_id, limits.memory_mb,
+                                              limits.max_processes + _BWRAP_PROCESSES)
         except BaseException:
             await self._fs_op(local_tree.remove_tree, root)
             if uid is not None and self._uids:
@@ -166,7 +222,7 @@ class LocalProvider(SandboxProvider):
             workdir=task.workdir, created_at=time.time(),
             info={"root": str(root / "fs"), "uid": uid, "labels": dict(labels or {})},
         )
-        self._sandboxes[sandbox_id] = _Sandbox(handle, root, uid, self._limits(task), env)
+        self._sandboxes[sandbox_id] = _Sandbox(handle, root, uid, limits, env, cgroup)
         self._create_ms.append((time.monotonic() - start) * 1000)
         del self._create_ms[:-1000]
         return handle
@@ -176,8 +232,10 @@ class LocalProvider(SandboxProvider):
             return func(*args)
         return await asyncio.to_thread(func, *args)
 
-    def _make_tree(self, root: Path, plan: Any, uid: int | None) -> None:
+    def _make_tree(self, root: Path, plan: Any, uid: int | None, storage_mb: int) -> None:
         root.mkdir(mode=0o700)
+        if self._tmpfs:
+            local_tree.mount_tmpfs(root, storage_mb)
         local_tree.populate(root / "fs", self._skeleton, *plan)
         if uid is not None:
             local_tree.chown_tree(root, uid)
@@ -207,7 +265,8 @@ class LocalProvider(SandboxProvider):
             )
         prefix = limit_argv(limits, cpu_time_s=timeout_s + 1)
         cap = max_output_bytes or self.config.max_output_kb * 1024
-        run = SandboxRun(lambda fd: [*prefix, *inner(fd)], sandbox.uid, cap)
+        enter = sandbox.cgroup.enter_argv() if sandbox.cgroup else ()
+        run = SandboxRun(lambda fd: [*prefix, *inner(fd)], sandbox.uid, cap, enter)
         sandbox.runs.add(run)
         try:
             outcome = await run.run(timeout_s, stdin=stdin, merge_stderr=merge_stderr)
@@ -290,6 +349,8 @@ class LocalProvider(SandboxProvider):
         sandbox.deleted = True
         try:
             await asyncio.gather(*(run.kill() for run in list(sandbox.runs)))
+            if sandbox.cgroup is not None:
+                await asyncio.to_thread(sandbox.cgroup.remove)
             if sandbox.uid is not None:
                 await asyncio.to_thread(kill_uid, sandbox.uid)
             await self._fs_op(local_tree.remove_tree, sandbox.root)
@@ -302,6 +363,8 @@ class LocalProvider(SandboxProvider):
         """Delete every live sandbox and this provider's directory."""
         await asyncio.gather(*(self.delete(s.handle) for s in list(self._sandboxes.values())))
         await asyncio.to_thread(local_tree.remove_tree, self._dir)
+        if self._cgroups is not None:
+            self._cgroups.close()
 
     def stats(self) -> dict[str, Any]:
         ms = sorted(self._create_ms)
@@ -309,6 +372,7 @@ class LocalProvider(SandboxProvider):
             "sandboxes_alive": len(self._sandboxes),
             "commands_running": sum(len(s.runs) for s in self._sandboxes.values()),
             "create_ms_p50": ms[len(ms) // 2] if ms else None,
+            "caps": self.caps,
         }
 
 

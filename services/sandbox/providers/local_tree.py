@@ -6,10 +6,14 @@ minimal `/etc` of its own) plus the task's files: every `COPY`/`ADD` of the task
 `environment/Dockerfile` whose source is in the build context is applied to the tree in order
 (`RUN` is not executed), and the Dockerfile's WORKDIR is created. System directories (`/usr`,
 and `/bin`, `/lib*` where they are real directories) are bind-mounted read-only from the host.
+Where the provider may mount (root), `<root>/<sandbox_id>` is a tmpfs of its own whose size is
+the task's storage, so everything the sandbox writes, in any number of files, stops there.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import glob
 import os
 import shutil
@@ -136,6 +140,38 @@ def chown_tree(path: Path, uid: int) -> None:
             os.lchown(os.path.join(dirpath, name), uid, uid)
 
 
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def mount_tmpfs(path: Path, size_mb: int) -> None:
+    """Mount a tmpfs of `size_mb` MiB at `path` (an empty directory); OSError if not allowed."""
+    options = f"size={size_mb}m,mode=0700".encode()
+    if _libc().mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, options):
+        code = ctypes.get_errno()
+        raise OSError(code, f"mount tmpfs at {path}: {os.strerror(code)}")
+
+
+def unmount(path: Path) -> None:
+    """Detach the mount at `path` (its files go with it); nothing if none is there."""
+    if _libc().umount2(os.fsencode(path), _MNT_DETACH):
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOENT):  # EINVAL: not a mount point
+            raise OSError(code, f"unmount {path}: {os.strerror(code)}")
+
+
+def mounts_under(path: Path) -> list[Path]:
+    """Mount points at or below `path`, deepest first."""
+    prefix = str(path.resolve()).rstrip("/") + "/"
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    inside = [Path(p) for p in points if p.startswith(prefix) or p + "/" == prefix]
+    return sorted(set(inside), key=lambda p: len(p.parts), reverse=True)
+
+
 def remove_tree(path: Path) -> None:
     """Delete a sandbox tree, including directories the sandbox made unreadable."""
 
@@ -146,5 +182,7 @@ def remove_tree(path: Path) -> None:
             os.chmod(target, 0o700)
         func(target)
 
+    for mount in mounts_under(path) if path.exists() else []:
+        unmount(mount)
     if path.exists():
         shutil.rmtree(path, onerror=_retry)

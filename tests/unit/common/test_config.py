@@ -64,3 +64,13 @@ def test_dump_round_trips(tmp_path: Path) -> None:
                               "router": {"grpc_port": 7001}})
     again = load_config(_write(tmp_path, dump_config(config)))
     assert again.model_dump() == config.model_dump()
+
+
+def test_secrets_come_from_the_environment_over_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "deploy.toml"
+    path.write_text(MINIMAL)
+    monkeypatch.setenv("RIPTIDE_ADMIN_TOKEN", "admin-from-env")
+    monkeypatch.setenv("RIPTIDE_GRPC_TOKEN", "grpc-from-env")
+    config = load_config(path)
+    assert (config.run.admin_token, config.run.grpc_token) == ("admin-from-env", "grpc-from-env")
