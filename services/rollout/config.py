@@ -24,7 +24,8 @@ class SchedulerConfig(StrictModel):
     num_groups_per_batch: int = Field(
         8, ge=1, description="groups the trainer consumes per weight version (staleness budget)")
     drop_zero_variance_groups: bool = Field(
-        False, description="drop groups whose samples all have the same reward")
+        True, description="drop (and count) groups whose samples all have the same reward: "
+        "their advantages are 0, so training on them costs a step and teaches nothing")
     max_queued_groups: int = Field(
         16, ge=1, description="finished groups waiting for the buffer before admission stops")
     temperature: float = Field(0.8, ge=0, description="sampling temperature of every turn")
