@@ -12,30 +12,11 @@ import grpc
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.errors import InvalidRequest
+from services.common.sampling_params import sampling_params
 from services.common.service import status_message
 
 if TYPE_CHECKING:
     from services.router.server import RouterRuntime
-
-
-def sampling_params(params: common_pb2.SamplingParams) -> dict[str, Any]:
-    """SGLang sampling_params from the proto (zero means the engine default where noted)."""
-    out: dict[str, Any] = {"temperature": params.temperature}
-    if params.max_new_tokens:
-        out["max_new_tokens"] = params.max_new_tokens
-    if params.top_p:
-        out["top_p"] = params.top_p
-    if params.top_k:
-        out["top_k"] = params.top_k
-    if params.stop_token_ids:
-        out["stop_token_ids"] = list(params.stop_token_ids)
-    if params.stop:
-        out["stop"] = list(params.stop)
-    if params.ignore_eos:
-        out["ignore_eos"] = True
-    if params.HasField("sampling_seed"):
-        out["sampling_seed"] = params.sampling_seed
-    return out
 
 
 def generate_body(request: router_pb2.GenerateRequest) -> dict[str, Any]:
