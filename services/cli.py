@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     tiny = model_sub.add_parser("create-tiny", help="write a tiny random model (no download)")
     tiny.add_argument("path", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    fetch = model_sub.add_parser("fetch", help="convert an offline real model into a cached "
+                                               "Hugging Face folder; prints its path")
+    fetch.add_argument("name", choices=("smollm2-135m",))
+    fetch.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "riptide" / "models",
+                       help="where converted models are kept")
     return parser
 
 
@@ -135,6 +140,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
+    if args.model_command == "fetch":
+        from services.common.model_fetch import fetch_model
+
+        print(fetch_model(args.name, args.cache))
+        return 0
     from services.common.tiny_model import create_tiny_model
 
     create_tiny_model(args.path, seed=args.seed)
