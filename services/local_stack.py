@@ -28,7 +28,7 @@ from services.deployment import load_config, validate_config
 
 #: Start order: what a service calls must be up before it.
 SERVICE_ORDER = ("router", "sandbox", "trainer", "rollout")
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Any:
