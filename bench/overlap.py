@@ -43,7 +43,8 @@ async def _run_mode(granularity: str, max_staleness: int | None, steps: int, tra
     config = SchedulerConfig(
         max_concurrent_samples=IN_FLIGHT, granularity=granularity,  # type: ignore[arg-type]
         max_staleness=max_staleness, n_samples_per_prompt=GROUP,
-        num_groups_per_batch=GROUPS_PER_BATCH, max_queued_groups=10_000)
+        num_groups_per_batch=GROUPS_PER_BATCH, max_queued_groups=10_000,
+        drop_zero_variance_groups=False)
     sink = MemorySink()
     scheduler = Scheduler(config, TaskCycle([f"task-{i}" for i in range(89)], seed),
                           SimEpisodeRunner(engines, seed=seed), sink, id_prefix=granularity)
@@ -103,7 +104,7 @@ async def _calibrate(seed: int) -> float:
     engines = [VirtualEngine(f"engine-{i}") for i in range(NUM_ENGINES)]
     config = SchedulerConfig(max_concurrent_samples=IN_FLIGHT, max_staleness=None,
                              n_samples_per_prompt=GROUP, num_groups_per_batch=GROUPS_PER_BATCH,
-                             max_queued_groups=10_000)
+                             max_queued_groups=10_000, drop_zero_variance_groups=False)
     sink = MemorySink()
     scheduler = Scheduler(config, TaskCycle(["t"]), SimEpisodeRunner(engines, seed=seed + 1),
                           sink, id_prefix="cal")

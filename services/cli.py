@@ -45,11 +45,37 @@ def _parser() -> argparse.ArgumentParser:
                         help="override a config value, as for serve (e.g. run.admin_token)")
     status.add_argument("--json", action="store_true", help="print raw JSON")
 
+    ev = sub.add_parser("eval", help="score a folder of terminal-bench-2 tasks with a model; "
+                                     "prints JSON (per-task and mean success)")
+    ev.add_argument("--tasks", required=True, type=Path, help="folder of task folders")
+    ev.add_argument("--checkpoint", type=Path, default=None,
+                    help="a Hugging Face model folder (e.g. the initial model) or a trainer "
+                         "checkpoint step-<n> (then --base names its model folder); default: "
+                         "the tiny random model")
+    ev.add_argument("--base", type=Path, default=None,
+                    help="the model folder a trainer checkpoint was trained from")
+    ev.add_argument("--samples", type=int, default=1, help="episodes per task")
+    ev.add_argument("--greedy", action="store_true", help="sample greedily (else --temperature)")
+    ev.add_argument("--temperature", type=float, default=0.8)
+    ev.add_argument("--protocol", default="markdown_bash",
+                    choices=("tagged", "markdown_bash", "terminus2"))
+    ev.add_argument("--max-turns", type=int, default=4)
+    ev.add_argument("--max-new-tokens", type=int, default=96)
+    ev.add_argument("--max-context-tokens", type=int, default=2048)
+    ev.add_argument("--concurrency", type=int, default=4, help="episodes at once")
+    ev.add_argument("--dir", type=Path, default=DEFAULT_RUN_DIR / "eval",
+                    help="work directory: exported weights, engine log")
+
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("create-tiny", help="write a tiny random model (no download)")
     tiny.add_argument("path", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    fetch = model_sub.add_parser("fetch", help="convert an offline real model into a cached "
+                                               "Hugging Face folder; prints its path")
+    fetch.add_argument("name", choices=("smollm2-135m",))
+    fetch.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "riptide" / "models",
+                       help="where converted models are kept")
     return parser
 
 
@@ -116,6 +142,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
+    if args.model_command == "fetch":
+        from services.common.model_fetch import fetch_model
+
+        print(fetch_model(args.name, args.cache))
+        return 0
     from services.common.tiny_model import create_tiny_model
 
     create_tiny_model(args.path, seed=args.seed)
@@ -123,9 +154,64 @@ def _model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from services.sandbox.config import AgentConfig
+    from services.sandbox.task import TaskSet
+
+    tasks = TaskSet.load(args.tasks)  # a malformed folder fails before anything starts
+    agent = AgentConfig(protocol=args.protocol, max_turns=args.max_turns,
+                        max_new_tokens=args.max_new_tokens,
+                        max_context_tokens=args.max_context_tokens,
+                        default_command_timeout_s=10.0, wall_time_s=300.0)
+    from services.common.engine_launch import running_engine
+    from services.sandbox.chat_format import ChatFormat
+    from services.sandbox.engine_model_client import EngineModelClient
+    from services.sandbox.evaluate import evaluate
+    from services.sandbox.providers.local import LocalProvider, LocalProviderConfig
+    from services.sandbox.server import load_tokenizer
+
+    model_dir = _eval_model(args)
+    with running_engine(model_dir, args.dir / "engine.log") as url:
+        async def run() -> dict[str, object]:
+            model, provider = EngineModelClient(url), LocalProvider(LocalProviderConfig())
+            try:
+                return await evaluate(
+                    tasks, model, ChatFormat(load_tokenizer(str(model_dir))), provider, agent,
+                    num_samples=args.samples, greedy=args.greedy,
+                    temperature=args.temperature, max_concurrent_episodes=args.concurrency)
+            finally:
+                await model.close()
+                await provider.close()
+
+        result = asyncio.run(run())
+    print(json.dumps({"checkpoint": str(args.checkpoint or model_dir), **result}))
+    return 0
+
+
+def _eval_model(args: argparse.Namespace) -> Path:
+    """The Hugging Face folder to serve: given, exported from a trainer checkpoint, or tiny."""
+    from services.common.errors import ConfigError
+
+    if args.checkpoint is None:
+        from services.local_stack import ensure_tiny_model
+
+        return ensure_tiny_model(args.dir)
+    if (args.checkpoint / "config.json").is_file():
+        return Path(args.checkpoint)
+    if args.base is None:
+        raise ConfigError(f"{args.checkpoint} is a trainer checkpoint (no config.json): "
+                          "--base must name the model folder it was trained from")
+    from services.trainer.export import export_checkpoint
+
+    return export_checkpoint(args.checkpoint, args.base, args.dir / "exported")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handlers = {"serve": _serve, "up": _up, "status": _status, "model": _model}
+    handlers = {"serve": _serve, "up": _up, "status": _status, "model": _model,
+                "eval": _eval}
     try:
         return handlers[args.command](args)
     except RiptideError as exc:

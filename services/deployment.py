@@ -19,6 +19,7 @@ from services.common.config import (
     read_config_file,
     validate_section,
 )
+from services.common.errors import ConfigError
 
 
 def _section_models() -> dict[str, type[StrictModel]]:
@@ -50,7 +51,22 @@ def deployment_model() -> type[StrictModel]:
 
 def validate_config(data: dict[str, Any], source: str = "config") -> Any:
     """Validate a parsed config dict into a DeploymentConfig, or raise a precise ConfigError."""
-    return validate_section(deployment_model(), data, source)
+    config = validate_section(deployment_model(), data, source)
+    check_sampling_temperature(config, source)
+    return config
+
+
+def check_sampling_temperature(config: Any, source: str = "config") -> None:
+    """The trainer's log-probs must be of the distribution the engines sample from: its
+    temperature must be the rollout's (greedy sampling, T = 0, trains at T = 1)."""
+    sampled = config.rollout.scheduler.temperature
+    expected = sampled if sampled > 0 else 1.0
+    trained = config.trainer.sampling_temperature
+    if abs(trained - expected) > 1e-9:
+        raise ConfigError(
+            f"{source}: trainer.sampling_temperature ({trained:g}) differs from "
+            f"rollout.scheduler.temperature ({sampled:g}): the trainer's log-probs would be of "
+            f"another distribution than the one sampled; set both to the same value")
 
 
 #: Environment variables that set the run's secrets, so they never need a command line

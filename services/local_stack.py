@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from services.common import process
-from services.common.config import dump_config
+from services.common.config import deep_merge, dump_config
 from services.common.errors import ConfigError, RiptideError, Unavailable
 from services.common.ports import free_ports
 from services.deployment import load_config, validate_config
@@ -33,7 +33,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Any:
     """A deployment config for one machine: loopback, free ports, fresh admin and gRPC tokens
-    (the file is the only place they are written: children read them from it, not argv)."""
+    (the file is the only place they are written: children read them from it, not argv).
+
+    `overrides` are merged at every depth (`{"trainer": {"model": {"hf_path": ...}}}` keeps
+    the model's dtype); the trainer's sampling temperature follows the rollout's unless an
+    override sets it."""
     ports = iter(free_ports(1 + 2 * len(SERVICE_ORDER)))
     data: dict[str, Any] = {
         "run": {"name": "local", "admin_token": secrets.token_urlsafe(24),
@@ -46,8 +50,10 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
         data[name].update(settings)
     data["trainer"]["weight_sync"]["rollout_address"] = (
         f"127.0.0.1:{data['rollout']['grpc_port']}")
-    for section, values in (overrides or {}).items():
-        data.setdefault(section, {}).update(values)
+    data = deep_merge(data, overrides or {})
+    temperature = data["rollout"].get("scheduler", {}).get("temperature")
+    if temperature is not None:
+        data["trainer"].setdefault("sampling_temperature", temperature if temperature > 0 else 1.0)
     return validate_config(data, "local stack config")
 
 
@@ -58,7 +64,9 @@ def _local_service_settings(run_dir: Path) -> dict[str, dict[str, Any]]:
         "rollout": {
             "scheduler": {"max_concurrent_samples": 8, "n_samples_per_prompt": 4,
                           "num_groups_per_batch": 2, "max_new_tokens": 48,
-                          "temperature": 1.0, "max_staleness": 4},
+                          "temperature": 1.0, "max_staleness": 4,
+                          # A random model never scores: every group has zero variance.
+                          "drop_zero_variance_groups": False},
             "fleet": {"kind": "builtin", "num_engines": 1, "model_path": model,
                       "log_dir": str(run_dir / "logs"), "start_timeout_s": 120.0},
         },

@@ -86,6 +86,24 @@ def _apply(data: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """`base` with `overrides` merged in, tables key by key at every depth (neither is
+    modified): `{"a": {"b": {"c": 1}}}` changes `a.b.c` and keeps every sibling of it. A table
+    given where the base holds a plain value (or the reverse) is an error naming the key."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        where = f"{path}.{key}" if path else str(key)
+        current = merged.get(key)
+        if isinstance(value, dict) and isinstance(current, dict):
+            merged[key] = deep_merge(current, value, where)
+        elif isinstance(value, dict) != isinstance(current, dict) and current is not None:
+            kind = "a table" if isinstance(current, dict) else "a value"
+            raise ConfigError(f"override {where}: the config holds {kind} there")
+        else:
+            merged[key] = value
+    return merged
+
+
 def format_validation_error(source: str, exc: ValidationError) -> str:
     lines = [f"{source}: invalid config"]
     for err in exc.errors()[:10]:

@@ -40,6 +40,8 @@ def summarize(config: Any) -> str:
         "groups_dropped": rollout.get("dropped_groups"),
         "mean_in_flight": rollout.get("mean_in_flight"),
         "prefix_cache_hit_rate": router.get("hit_rate"),
+        "eval_success_by_weight_version": {
+            version: e.get("mean_success") for version, e in (rollout.get("eval") or {}).items()},
     }
     lines = ["[up] summary"]
     lines += [f"     {key:<24} {value}" for key, value in figures.items()]

@@ -28,7 +28,8 @@ class SchedulerConfig(StrictModel):
         8, ge=1, le=100_000,
         description="groups the trainer consumes per weight version (staleness budget)")
     drop_zero_variance_groups: bool = Field(
-        False, description="drop groups whose samples all have the same reward")
+        True, description="drop (and count) groups whose samples all have the same reward: "
+        "their advantages are 0, so training on them costs a step and teaches nothing")
     max_queued_groups: int = Field(
         16, ge=1, le=1_000_000,
         description="finished groups waiting for the buffer before admission stops")
@@ -112,6 +113,19 @@ class WeightUpdateConfig(StrictModel):
     initial_weight_version: int = Field(0, description="version the engines hold at start")
 
 
+class EvalConfig(StrictModel):
+    """Evaluation of held-out tasks during training (services/rollout/evaluation.py)."""
+
+    interval_steps: int = Field(0, ge=0, description="evaluate every k weight versions and at "
+                                                     "the start (0: never)")
+    task_ids: list[str] = Field(default_factory=list, description="held-out tasks (the sandbox "
+                                                                  "must list them)")
+    num_samples: int = Field(1, ge=1, description="episodes per task and evaluation")
+    greedy: bool = Field(True, description="sample greedily (else at `temperature`)")
+    temperature: float = Field(0.8, gt=0, description="sampling temperature when not greedy")
+    success_threshold: float = Field(1.0, description="a reward at least this is a success")
+
+
 class RolloutConfig(ServiceConfig):
     """Settings of the rollout service."""
 
@@ -128,3 +142,5 @@ class RolloutConfig(ServiceConfig):
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="engines")
     weight_update: WeightUpdateConfig = Field(
         default_factory=WeightUpdateConfig, description="weight-update coordination")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation "
+                                                                     "during training")

@@ -25,6 +25,7 @@ from services.rollout.episodes import (
     generated_versions,
     no_verdict_trajectory,
 )
+from services.rollout.evaluation import EvalQueue
 from services.rollout.scheduler_stats import SchedulerStats
 from services.rollout.staleness import StalenessGate
 
@@ -53,7 +54,8 @@ class Scheduler:
     """Keeps `max_concurrent_samples` episodes in flight and writes finished groups."""
 
     def __init__(self, config: SchedulerConfig, tasks: TaskCycle, runner: EpisodeRunner,
-                 sink: GroupSink, *, weight_version: int = 0, id_prefix: str = "") -> None:
+                 sink: GroupSink, *, weight_version: int = 0, id_prefix: str = "",
+                 evaluation: EvalQueue | None = None) -> None:
         self.config = config
         self._tasks = tasks
         self._runner = runner
@@ -72,6 +74,9 @@ class Scheduler:
         self.consecutive_failures = 0
         self.stats = SchedulerStats()
         self._tasks_running: list[asyncio.Task[None]] = []
+        self.evaluation = evaluation
+        if evaluation is not None:
+            evaluation.on_version(weight_version)
 
     # -- control -----------------------------------------------------------------------
     @property
@@ -82,6 +87,8 @@ class Scheduler:
         """The engines now hold `version`; admission may move on, and groups that can no
         longer be consumed in time stop early."""
         self._gate.version = version
+        if self.evaluation is not None:
+            self.evaluation.on_version(version)
         for group in list(self._unfinished.values()):
             self._stop_if_doomed(group)
         self._wake.set()
@@ -137,6 +144,7 @@ class Scheduler:
             "consecutive_failures": self.consecutive_failures,
             "config": self.config.model_dump(),
             **self.stats.as_dict(now),
+            **({"eval": self.evaluation.summary()} if self.evaluation is not None else {}),
         }
 
     # -- admission ---------------------------------------------------------------------
@@ -148,6 +156,12 @@ class Scheduler:
 
     def _admit(self) -> None:
         cfg = self.config
+        while self.evaluation is not None and not self.paused \
+                and self.in_flight < cfg.max_concurrent_samples:
+            item = self.evaluation.next_request()
+            if item is None:
+                break
+            self._start_eval(*item)
         while not self.paused and self.queued_groups < cfg.max_queued_groups:
             free = cfg.max_concurrent_samples - self.in_flight
             group = self._open or self._new_group()
@@ -206,6 +220,29 @@ class Scheduler:
             self.stats.record_in_flight(self._now(), self.in_flight)
             self._wake.set()
         self._on_sample_done(group, request, trajectory)
+
+    def _start_eval(self, version: int, request: sandbox_pb2.RunEpisodeRequest) -> None:
+        """An evaluation episode in the next free slot; its result goes to the EvalQueue."""
+        self.in_flight += 1
+        self.stats.record_in_flight(self._now(), self.in_flight)
+        task = asyncio.create_task(self._run_eval(version, request))
+        self._episodes.add(task)
+        task.add_done_callback(self._episodes.discard)
+
+    async def _run_eval(self, version: int, request: sandbox_pb2.RunEpisodeRequest) -> None:
+        assert self.evaluation is not None
+        try:
+            trajectory = await self._runner.run(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # counted as a failed evaluation episode
+            log.warning("evaluation episode %s failed: %s", request.sample_id, exc)
+            trajectory = no_verdict_trajectory(request, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.in_flight -= 1
+            self.stats.record_in_flight(self._now(), self.in_flight)
+            self._wake.set()
+        self.evaluation.record(version, request, trajectory)
 
     async def _back_off_after(self, trajectory: common_pb2.Trajectory) -> None:
         if trajectory.status == common_pb2.VERDICT_STATUS_SCORED:

@@ -22,6 +22,7 @@ from services.common.service import ServiceRuntime
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
 from services.rollout.episodes import GroupSink, TaskCycle
+from services.rollout.evaluation import EvalQueue
 from services.rollout.fleet import EngineFleet
 from services.rollout.router_link import GrpcRouterLink, NoRouter
 from services.rollout.sandbox_runner import SandboxEpisodeRunner
@@ -98,9 +99,16 @@ class RolloutRuntime(ServiceRuntime):
                 continue
             if not task_ids:
                 raise Unavailable("the sandbox service lists no tasks")
+        held_out = set(self.config.eval.task_ids)  # never trained on
+        task_ids = [t for t in task_ids if t not in held_out]
+        if not task_ids:
+            raise Unavailable("every task is a held-out eval task: none is left to train on")
         scheduler = Scheduler(self.config.scheduler, TaskCycle(task_ids, self.config.task_seed),
                               runner, sink, weight_version=self.fleet.current_version,
-                              id_prefix=f"{self._run_name}-{id(self) & 0xffff:04x}")
+                              id_prefix=f"{self._run_name}-{id(self) & 0xffff:04x}",
+                              evaluation=EvalQueue(self.config.eval,
+                                                   self.config.scheduler.max_new_tokens,
+                                                   self.config.scheduler.top_p))
         if self.paused:
             scheduler.pause()
         await scheduler.start()

@@ -15,36 +15,11 @@ from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.engine_contract import weight_version_spans
 from services.common.errors import InvalidRequest
 from services.common.grpc_requests import require
+from services.common.sampling_params import sampling_params
 from services.common.service import status_message
 
 if TYPE_CHECKING:
     from services.router.server import RouterRuntime
-
-
-def sampling_params(params: common_pb2.SamplingParams) -> dict[str, Any]:
-    """SGLang sampling_params from the proto (zero means the engine default where noted);
-    InvalidRequest for values no engine accepts."""
-    require(0 <= params.temperature <= 100, "sampling_params.temperature: must be in [0, 100]")
-    require(0 <= params.top_p <= 1, "sampling_params.top_p: must be in [0, 1] (0: default)")
-    require(params.top_k >= -1, "sampling_params.top_k: must be -1 (all), 0 (default) or more")
-    require(all(t >= 0 for t in params.stop_token_ids),
-            "sampling_params.stop_token_ids: token ids are never negative")
-    out: dict[str, Any] = {"temperature": params.temperature}
-    if params.max_new_tokens:
-        out["max_new_tokens"] = params.max_new_tokens
-    if params.top_p:
-        out["top_p"] = params.top_p
-    if params.top_k:
-        out["top_k"] = params.top_k
-    if params.stop_token_ids:
-        out["stop_token_ids"] = list(params.stop_token_ids)
-    if params.stop:
-        out["stop"] = list(params.stop)
-    if params.ignore_eos:
-        out["ignore_eos"] = True
-    if params.HasField("sampling_seed"):
-        out["sampling_seed"] = params.sampling_seed
-    return out
 
 
 def json_object(raw: str | bytes, what: str) -> dict[str, Any]:

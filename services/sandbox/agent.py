@@ -4,8 +4,9 @@ Token-in, token-out: the prompt is tokenized once; each model turn's ids are app
 engine returned them (loss mask 1, with their log-probs and weight version); each
 observation is appended as its own ids between framing ids tokenized once by ChatFormat
 (loss mask 0). Nothing the model produced is ever decoded and re-encoded into the sequence.
-Called by the episode runner (services/sandbox/episode.py); the reply format is in
-reply_format.py.
+Called by the episode runner (services/sandbox/episode.py); the reply format is the
+configured protocol (protocol.py, one per episode), commands run in the episode's shell
+(shell_session.py).
 """
 
 from __future__ import annotations
@@ -20,14 +21,10 @@ from services.common.errors import Unavailable
 from services.sandbox.chat_format import ChatFormat
 from services.sandbox.config import AgentConfig
 from services.sandbox.model_client import GenerateResult, ModelClient
-from services.sandbox.provider import SandboxHandle, SandboxProvider
-from services.sandbox.reply_format import (
-    SYSTEM_PROMPT,
-    Command,
-    format_command_result,
-    format_observation,
-    parse_reply,
-)
+from services.sandbox.protocol import make_protocol
+from services.sandbox.provider import ExecResult, SandboxHandle, SandboxProvider
+from services.sandbox.reply_format import Command, format_command_result
+from services.sandbox.shell_session import ShellSession
 
 ProgressFn = Callable[[str, int, str], None]
 
@@ -89,8 +86,7 @@ class TerminalAgent:
         self.config = config
 
     def system_prompt(self) -> str:
-        return SYSTEM_PROMPT.format(default_timeout_s=self.config.default_command_timeout_s,
-                                    max_timeout_s=self.config.max_command_timeout_s)
+        return make_protocol(self.config).system_prompt()
 
     async def run(self, handle: SandboxHandle, instruction: str, session_key: str,
                   sampling: common_pb2.SamplingParams, wall_time_s: float,
@@ -99,7 +95,9 @@ class TerminalAgent:
         progress = on_progress or (lambda kind, turn, detail: None)
         limits = self.config
         deadline = time.monotonic() + min(wall_time_s, limits.wall_time_s)
-        run = AgentRun(TokenTrace(self.chat.prompt_ids(self.system_prompt(), instruction)))
+        protocol = make_protocol(limits)
+        shell = ShellSession(self.provider, handle, limits.persistent_shell)
+        run = AgentRun(TokenTrace(self.chat.prompt_ids(protocol.system_prompt(), instruction)))
         for turn in range(1, limits.max_turns + 1):
             # SGLang refuses prompt + max_new_tokens >= its context length (HTTP 400), so the
             # cap is exclusive: an engine whose context equals max_context_tokens accepts it.
@@ -115,20 +113,20 @@ class TerminalAgent:
             run.trace.add_model(result)
             if result.finish_reason == "abort":
                 raise GenerationAborted(f"the engine aborted turn {turn} of {session_key}")
-            reply = parse_reply(self.chat.decode(result.output_ids),
-                                limits.default_command_timeout_s, limits.max_command_timeout_s)
+            reply = protocol.parse(self.chat.decode(result.output_ids))
             progress("turn", turn, f"{len(result.output_ids)} tokens, "
                                    f"{len(reply.commands)} commands")
-            blocks, out_of_time = await self._run_commands(run, handle, reply.commands, turn,
-                                                           deadline, progress)
-            if reply.task_complete:
+            results, out_of_time = await self._run_commands(run, shell, reply.commands, turn,
+                                                            deadline, progress)
+            if protocol.finished(reply, results):
                 run.finish_reason = "complete"
                 return run
             if out_of_time:
                 run.finish_reason = "wall_time"
                 return run
-            observation = format_observation(blocks, reply.problems,
-                                             limits.max_observation_chars)
+            observation = protocol.observation(
+                reply, [format_command_result(c, r) for c, r in zip(reply.commands, results,
+                                                                     strict=False)])
             ids = self.chat.user_turn_ids(result.output_ids, observation)
             if run.trace.num_tokens + len(ids) >= limits.max_context_tokens:
                 run.finish_reason = "context_length"
@@ -158,20 +156,20 @@ class TerminalAgent:
         finally:
             run.generate_s += time.monotonic() - started
 
-    async def _run_commands(self, run: AgentRun, handle: SandboxHandle,
+    async def _run_commands(self, run: AgentRun, shell: ShellSession,
                             commands: list[Command], turn: int, deadline: float,
-                            progress: ProgressFn) -> tuple[list[str], bool]:
-        blocks: list[str] = []
+                            progress: ProgressFn) -> tuple[list[ExecResult], bool]:
+        results: list[ExecResult] = []
         for command in commands:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
-                return blocks, True
+                return results, True
             timeout_s = min(command.timeout_s, remaining_s)
             started = time.monotonic()
-            result = await self.provider.exec(handle, command.text, timeout_s)
+            result = await shell.run(command.text, timeout_s)
             elapsed = time.monotonic() - started
             run.exec_s += elapsed
             status = "timed out" if result.timed_out else f"exit {result.exit_code}"
             progress("command", turn, f"{status} in {elapsed:.2f} s: {command.text[:80]}")
-            blocks.append(format_command_result(command, result))
-        return blocks, False
+            results.append(result)
+        return results, False

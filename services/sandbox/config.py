@@ -59,6 +59,12 @@ class AgentConfig(StrictModel):
     max_command_timeout_s: float = Field(600.0, gt=0, description="cap of one command's timeout")
     max_observation_chars: int = Field(10000, ge=256, description="observation size; head and "
                                                                   "tail kept")
+    protocol: Literal["tagged", "markdown_bash", "terminus2"] = Field(
+        "tagged", description="reply format: tagged <command> blocks, one markdown bash block "
+                              "per turn (mini-swe-agent), or Terminus-2's JSON")
+    persistent_shell: bool = Field(
+        True, description="one shell per episode: cwd, variables and functions carry over "
+                          "between commands (False: each command starts afresh)")
 
     @model_validator(mode="after")
     def _timeouts(self) -> AgentConfig:

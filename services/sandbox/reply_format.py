@@ -1,4 +1,4 @@
-"""The agent's turn format: what the model is told, how its reply is read, what it sees back.
+"""The tagged reply format's parser, and the reply and observation pieces every protocol shares.
 
 Each assistant reply may hold, in any order:
 
@@ -6,11 +6,10 @@ Each assistant reply may hold, in any order:
     <command timeout="10">shell command, may span lines</command>    (zero or more)
     <task_complete/>                                                 (when done)
 
-Commands run in order with `bash -lc` in the task's working directory, each killed after
-its `timeout` seconds (default and cap from the agent config). Shell state (cd, variables)
-does not carry over between commands; files do. The next user turn shows each command with
-its output and exit status, the whole cut to its head and tail when long. A reply with
-`<task_complete/>` ends the episode after its commands ran.
+Commands run in order in the episode's shell (shell_session.py), each killed after its
+`timeout` seconds (default and cap from the agent config). The next user turn shows each
+command with its output and exit status, the whole cut to its head and tail when long. The
+system prompt and the other protocols are in protocols/ (see protocol.py).
 """
 
 from __future__ import annotations
@@ -19,16 +18,6 @@ import re
 from dataclasses import dataclass
 
 from services.sandbox.provider import ExecResult
-
-SYSTEM_PROMPT = """You are an expert engineer working in a Linux terminal to solve a task.
-Reply in this format:
-<analysis>what you observed and what you will do next</analysis>
-<command timeout="SECONDS">a shell command</command>
-You may send several <command> blocks in one reply; they run in order with bash, each in
-the task's working directory (directory changes and variables do not persist between
-commands, files do), and each is killed after its timeout (default {default_timeout_s:g} s,
-at most {max_timeout_s:g} s). You will see each command's output and exit code.
-When the task is done, reply with <task_complete/> (after any final commands)."""
 
 _COMMAND = re.compile(r'<command(?:\s+timeout\s*=\s*"([^"]*)")?\s*>(.*?)</command>', re.DOTALL)
 _COMPLETE = re.compile(r"<task_complete\s*/?>")

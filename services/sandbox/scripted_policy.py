@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.common.errors import ConfigError
-from services.sandbox.model_client import command_turn
+from services.sandbox.config import AgentConfig
+from services.sandbox.protocol import make_protocol
 from services.sandbox.task import Task
 
 SOLUTION_DIR = "/solution"
@@ -48,12 +49,11 @@ def oracle_command(task: Task) -> str:
 
 
 def scripted_turns(task: Task, policy: str, num_extra_commands: int,
-                   command_timeout_s: float) -> list[str]:
-    """The assistant turns of one scripted episode (completion follows them)."""
-    turns = [command_turn(EXTRA_COMMANDS[i % len(EXTRA_COMMANDS)], 10)
-             for i in range(num_extra_commands)]
+                   command_timeout_s: float, agent: AgentConfig | None = None) -> list[str]:
+    """The assistant turns of one scripted episode in the agent's protocol, completion last."""
+    commands = [EXTRA_COMMANDS[i % len(EXTRA_COMMANDS)] for i in range(num_extra_commands)]
     if policy == "oracle":
-        turns.append(command_turn(oracle_command(task), command_timeout_s))
+        commands.append(oracle_command(task))
     elif policy != "noop":
         raise ConfigError(f"unknown scripted policy {policy!r}; use 'oracle' or 'noop'")
-    return turns
+    return make_protocol(agent or AgentConfig()).script(commands, command_timeout_s)

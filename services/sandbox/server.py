@@ -49,7 +49,7 @@ def build_runtime(deployment_config: Any) -> ServiceRuntime:
 
         def script_maker(task: Task) -> list[str]:
             return scripted_turns(task, scripted.policy, scripted.num_extra_commands,
-                                  scripted.command_timeout_s)
+                                  scripted.command_timeout_s, config.agent)
     else:
         address = config.router_address or deployment_config.router.grpc_address
         model = RouterModelClient(address, deployment_config.run.grpc_token,

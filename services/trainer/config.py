@@ -93,6 +93,10 @@ class TrainerConfig(ServiceConfig):
         1000, ge=1, description="longest single blocking stream read (stop is checked between)"
     )
     pad_token_id: int = Field(0, ge=0, description="token id used to right-pad rows")
+    sampling_temperature: float = Field(
+        0.8, gt=0, description="the engines' sampling temperature: log-probs are of logits / T, "
+        "as the engines report them (must equal rollout.scheduler.temperature)"
+    )
     loss: LossConfig = Field(default_factory=LossConfig, description="policy-gradient objective")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="optimizer")
     checkpoint: CheckpointConfig = Field(

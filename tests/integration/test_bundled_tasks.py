@@ -12,7 +12,9 @@ from services.sandbox.provider import SandboxProvider
 from services.sandbox.providers.local import LocalProvider, LocalProviderConfig
 from services.sandbox.task import Task, TaskSet
 
-TASKS = TaskSet.load(Path(__file__).resolve().parents[2] / "tasks")
+TASKS_DIR = Path(__file__).resolve().parents[2] / "tasks"
+TASKS = TaskSet.load(TASKS_DIR)
+STARTER = {split: TaskSet.load(TASKS_DIR / "starter" / split) for split in ("train", "heldout")}
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,8 @@ async def _reward(provider: SandboxProvider, task: Task, solve: bool) -> str:
         await provider.delete(handle)
 
 
-@pytest.mark.slow
-def test_oracle_passes_and_no_attempt_fails(provider: LocalProvider) -> None:
+def _wrong_rewards(provider: LocalProvider, tasks: list[Task]) -> dict[tuple[str, bool], str]:
+    """(task, solved) -> reward for every task whose oracle fails or whose no-attempt passes."""
     async def run_all() -> dict[tuple[str, bool], str]:
         limit = asyncio.Semaphore(8)
 
@@ -49,11 +51,31 @@ def test_oracle_passes_and_no_attempt_fails(provider: LocalProvider) -> None:
             async with limit:
                 return (task.name, solve), await _reward(provider, task, solve)
 
-        pairs = await asyncio.gather(*(one(t, s) for t in TASKS for s in (True, False)))
+        pairs = await asyncio.gather(*(one(t, s) for t in tasks for s in (True, False)))
         return dict(pairs)
 
     rewards = asyncio.run(run_all())
-    wrong = {key: r for key, r in rewards.items() if r != ("1" if key[1] else "0")}
+    assert len(rewards) == 2 * len(tasks)
+    return {key: r for key, r in rewards.items() if r != ("1" if key[1] else "0")}
+
+
+@pytest.mark.slow
+def test_oracle_passes_and_no_attempt_fails(provider: LocalProvider) -> None:
+    assert len(TASKS) >= 10
+    wrong = _wrong_rewards(provider, list(TASKS))
     assert not wrong, f"(task, solved) -> reward that should not be: {wrong}"
-    assert len(rewards) == 2 * len(TASKS) >= 20
+    assert provider.stats()["sandboxes_alive"] == 0
+
+
+@pytest.mark.slow
+def test_starter_tasks_oracle_passes_and_no_attempt_fails(provider: LocalProvider) -> None:
+    """The starter set (tasks/starter/{train,heldout}): one- or two-command tasks."""
+    train, heldout = STARTER["train"], STARTER["heldout"]
+    assert len(train) + len(heldout) >= 24 and len(heldout) >= 8
+    assert not set(train.names) & set(heldout.names)
+    for task in [*train, *heldout]:
+        solve = (task.solution_dir / "solve.sh").read_text().splitlines()
+        assert len([line for line in solve[1:] if line.strip()]) <= 2, task.name
+    wrong = _wrong_rewards(provider, [*train, *heldout])
+    assert not wrong, f"(task, solved) -> reward that should not be: {wrong}"
     assert provider.stats()["sandboxes_alive"] == 0

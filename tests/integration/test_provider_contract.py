@@ -94,3 +94,33 @@ def test_provider_contract(kind: str, daytona: DaytonaServer, tmp_path: Path,
     asyncio.run(run())
     if kind != "local":
         assert daytona.state()["sandboxes"] == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_episode_shares_one_shell(kind: str, daytona: DaytonaServer,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An episode's commands run in one shell (services/sandbox/shell_session.py) on every
+    provider: cwd, variables, functions and aliases carry over; exit codes are the command's."""
+    from services.sandbox.shell_session import ShellSession
+
+    provider = _make(kind, daytona, monkeypatch)
+
+    async def run() -> None:
+        async for handle in _with_sandbox(provider):
+            shell = ShellSession(provider, handle)  # type: ignore[arg-type]
+            steps = [("mkdir -p /tmp/work && cd /tmp/work", 0, ""),
+                     ("export GREETING=hi; PLAIN=1; greet() { echo \"$GREETING $1\"; }; "
+                      "alias say=echo; false", 1, ""),
+                     ("pwd; echo $PLAIN; greet you; say aliased", 0,
+                      "/tmp/work\n1\nhi you\naliased\n"),
+                     ("cd /; exit 7", 7, ""), ("cd /tmp; sleep 30", None, None),
+                     ("pwd; bash -c 'echo $GREETING'", 0, "/\nhi\n")]
+            for command, code, output in steps:
+                result = await shell.run(command, 2)
+                assert result.exit_code == code, (command, result)
+                # Partial output of a killed command is provider-specific (Daytona has none).
+                assert output is None or result.output == output, (command, result)
+            fresh = await provider.exec(handle, "pwd; echo ${GREETING:-unset}", 10)
+            assert fresh.output == f"{TASK.workdir}\nunset\n", "plain exec stays stateless"
+
+    asyncio.run(run())

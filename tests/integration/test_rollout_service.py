@@ -49,7 +49,8 @@ class Stack:
         sections["rollout"].update(
             task_ids=TASKS,
             scheduler={"max_concurrent_samples": IN_FLIGHT, "n_samples_per_prompt": 2,
-                       "num_groups_per_batch": 2, "max_new_tokens": 8, "max_staleness": 100},
+                       "num_groups_per_batch": 2, "max_new_tokens": 8, "max_staleness": 100,
+                       "drop_zero_variance_groups": False},
             fleet={"kind": "builtin", "num_engines": 2, "model_path": str(tiny_model_path()),
                    "health_interval_s": 0.5, "start_timeout_s": 180.0,
                    "log_dir": str(tmp / "engines")})

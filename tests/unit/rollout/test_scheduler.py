@@ -54,6 +54,7 @@ def make(
             "n_samples_per_prompt": 4,
             "num_groups_per_batch": 2,
             "max_staleness": None,
+            "drop_zero_variance_groups": False,
             **overrides,
         }
     )

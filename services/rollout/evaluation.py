@@ -1,0 +1,74 @@
+"""Evaluation during training: held-out episodes at the engines' current weight version.
+
+Every `eval.interval_steps` weight versions (and at the starting version) the queue fills with
+`num_samples` episodes of each held-out task; the scheduler gives them the next free slots,
+ahead of training episodes and outside the staleness budget, so training never waits for an
+evaluation to finish. Their trajectories never reach the sample stream: only their rewards
+are kept, by weight version, for the rollout's admin state and the run summary. The version
+an evaluation is filed under is the one current when it was queued. Called by scheduler.py.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from services._proto.riptide.v1 import common_pb2, sandbox_pb2
+from services.rollout.config import EvalConfig
+
+
+class EvalQueue:
+    """Queued evaluation episodes and their results by weight version."""
+
+    def __init__(self, config: EvalConfig, max_new_tokens: int, top_p: float) -> None:
+        self.config = config
+        self._sampling = common_pb2.SamplingParams(
+            max_new_tokens=max_new_tokens, top_p=top_p,
+            temperature=0.0 if config.greedy else config.temperature)
+        self._pending: deque[tuple[int, sandbox_pb2.RunEpisodeRequest]] = deque()
+        self._scheduled: set[int] = set()
+        self._rewards: dict[int, dict[str, list[float]]] = {}
+        self._expected: dict[int, int] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.interval_steps > 0 and bool(self.config.task_ids)
+
+    def on_version(self, version: int) -> None:
+        """Queue an evaluation when `version` is due and not yet evaluated."""
+        if not self.enabled or version % self.config.interval_steps or version in self._scheduled:
+            return
+        self._scheduled.add(version)
+        self._expected[version] = len(self.config.task_ids) * self.config.num_samples
+        for task_id in self.config.task_ids:
+            for index in range(self.config.num_samples):
+                group_id = f"eval-v{version}-{task_id}"
+                params = common_pb2.SamplingParams()
+                params.CopyFrom(self._sampling)
+                if not self.config.greedy:
+                    params.sampling_seed = version * 7919 + index
+                self._pending.append((version, sandbox_pb2.RunEpisodeRequest(
+                    task_id=task_id, sample_id=f"{group_id}-s{index}", group_id=group_id,
+                    sample_index=index, sampling_params=params)))
+
+    def next_request(self) -> tuple[int, sandbox_pb2.RunEpisodeRequest] | None:
+        return self._pending.popleft() if self._pending else None
+
+    def record(self, version: int, request: sandbox_pb2.RunEpisodeRequest,
+               trajectory: common_pb2.Trajectory) -> None:
+        """File one finished episode; no verdict counts as a failure."""
+        scored = trajectory.status == common_pb2.VERDICT_STATUS_SCORED
+        by_task = self._rewards.setdefault(version, {})
+        by_task.setdefault(request.task_id, []).append(trajectory.reward if scored else 0.0)
+
+    def summary(self) -> dict[str, Any]:
+        """{version: {mean_success, done, expected, tasks: {task: success}}}, complete or not."""
+        out: dict[str, Any] = {}
+        threshold = self.config.success_threshold
+        for version, by_task in sorted(self._rewards.items()):
+            tasks = {t: sum(r >= threshold for r in rs) / len(rs) for t, rs in by_task.items()}
+            out[str(version)] = {
+                "mean_success": sum(tasks.values()) / len(tasks),
+                "done": sum(len(rs) for rs in by_task.values()),
+                "expected": self._expected[version], "tasks": tasks}
+        return out

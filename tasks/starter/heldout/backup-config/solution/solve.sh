@@ -1,0 +1,2 @@
+#!/bin/bash
+cp /app/settings.ini /app/settings.ini.bak

@@ -1,0 +1,2 @@
+#!/bin/bash
+grep WARN /app/server.log > /app/warnings.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+tail -n 1 /app/history.txt > /app/last.txt

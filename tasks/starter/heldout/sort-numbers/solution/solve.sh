@@ -1,0 +1,2 @@
+#!/bin/bash
+sort -n /app/nums.txt > /app/sorted.txt

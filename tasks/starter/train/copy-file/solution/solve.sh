@@ -1,0 +1,2 @@
+#!/bin/bash
+cp /app/notes.txt /app/backup.txt

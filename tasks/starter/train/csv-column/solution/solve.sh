@@ -1,0 +1,2 @@
+#!/bin/bash
+tail -n +2 /app/scores.csv | cut -d, -f1 > /app/names.txt

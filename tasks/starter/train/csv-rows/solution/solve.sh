@@ -1,0 +1,2 @@
+#!/bin/bash
+tail -n +2 /app/people.csv | wc -l > /app/rows.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+head -n 1 /app/poem.txt > /app/first.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+grep -n '^needle$' /app/hay.txt | cut -d: -f1 > /app/line.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+tac /app/steps.txt > /app/reversed.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+sed -i 's/foo/bar/g' /app/text.txt

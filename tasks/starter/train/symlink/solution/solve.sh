@@ -1,0 +1,2 @@
+#!/bin/bash
+ln -s /app/v2 /app/latest

@@ -1,0 +1,2 @@
+#!/bin/bash
+sort -u /app/colors.txt > /app/unique.txt

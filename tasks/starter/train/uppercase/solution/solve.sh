@@ -1,0 +1,2 @@
+#!/bin/bash
+tr a-z A-Z < /app/word.txt > /app/upper.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+wc -w < /app/sentence.txt > /app/words.txt
