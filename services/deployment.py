@@ -57,16 +57,22 @@ def validate_config(data: dict[str, Any], source: str = "config") -> Any:
 
 
 def check_sampling_temperature(config: Any, source: str = "config") -> None:
-    """The trainer's log-probs must be of the distribution the engines sample from: its
-    temperature must be the rollout's (greedy sampling, T = 0, trains at T = 1)."""
+    """The trainer's log-probs must be of the distribution the engines sample from: unless
+    the file sets it, the trainer's temperature follows the rollout's (greedy sampling,
+    T = 0, trains at T = 1); a different one set by hand is an error."""
     sampled = config.rollout.scheduler.temperature
     expected = sampled if sampled > 0 else 1.0
+    if "sampling_temperature" not in config.trainer.model_fields_set:
+        config.trainer.sampling_temperature = expected
+        config.trainer.model_fields_set.discard("sampling_temperature")
+        return
     trained = config.trainer.sampling_temperature
     if abs(trained - expected) > 1e-9:
         raise ConfigError(
             f"{source}: trainer.sampling_temperature ({trained:g}) differs from "
             f"rollout.scheduler.temperature ({sampled:g}): the trainer's log-probs would be of "
-            f"another distribution than the one sampled; set both to the same value")
+            f"another distribution than the one sampled; set both to the same value (or "
+            f"leave trainer.sampling_temperature out: it follows the rollout's)")
 
 
 #: Environment variables that set the run's secrets, so they never need a command line

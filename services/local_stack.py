@@ -36,8 +36,8 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
     (the file is the only place they are written: children read them from it, not argv).
 
     `overrides` are merged at every depth (`{"trainer": {"model": {"hf_path": ...}}}` keeps
-    the model's dtype); the trainer's sampling temperature follows the rollout's unless an
-    override sets it."""
+    the model's dtype); the trainer's sampling temperature follows the rollout's (deployment
+    validation) unless an override sets it."""
     ports = iter(free_ports(1 + 2 * len(SERVICE_ORDER)))
     data: dict[str, Any] = {
         "run": {"name": "local", "admin_token": secrets.token_urlsafe(24),
@@ -51,9 +51,6 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
     data["trainer"]["weight_sync"]["rollout_address"] = (
         f"127.0.0.1:{data['rollout']['grpc_port']}")
     data = deep_merge(data, overrides or {})
-    temperature = data["rollout"].get("scheduler", {}).get("temperature")
-    if temperature is not None:
-        data["trainer"].setdefault("sampling_temperature", temperature if temperature > 0 else 1.0)
     return validate_config(data, "local stack config")
 
 

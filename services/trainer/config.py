@@ -94,8 +94,9 @@ class TrainerConfig(ServiceConfig):
     )
     pad_token_id: int = Field(0, ge=0, description="token id used to right-pad rows")
     sampling_temperature: float = Field(
-        0.8, gt=0, description="the engines' sampling temperature: log-probs are of logits / T, "
-        "as the engines report them (must equal rollout.scheduler.temperature)"
+        1.0, gt=0, description="the engines' sampling temperature: log-probs are of logits / T, "
+        "as the engines report them (a deployment file sets it to rollout.scheduler.temperature "
+        "unless given)"
     )
     loss: LossConfig = Field(default_factory=LossConfig, description="policy-gradient objective")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="optimizer")

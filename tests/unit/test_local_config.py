@@ -55,6 +55,8 @@ def test_a_temperature_mismatch_is_refused_naming_both_keys() -> None:
         validate_config(data, "deploy.toml")
     data["trainer"]["sampling_temperature"] = 0.8
     assert validate_config(data).trainer.sampling_temperature == 0.8
+    del data["trainer"]["sampling_temperature"]  # left out, it follows the rollout's
+    assert validate_config(data).trainer.sampling_temperature == 0.8
 
 
 def test_zero_variance_groups_are_dropped_by_default() -> None:
