@@ -9,7 +9,7 @@ DEMO_STEPS ?= 3
 PYTEST_ARGS ?=
 
 RUNTIME_DEPS := redis-server:redis-server bwrap:bubblewrap git:git
-TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose
+TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose slurmctld:slurm-wlm munged:munge
 
 .PHONY: setup system-deps test-deps demo test lint typecheck compose-check protos bench clean
 
