@@ -186,6 +186,10 @@ def check_layout(args: argparse.Namespace, num_nodes: int, hf: dict[str, Any]) -
         raise ConfigError(f"TP {args.tp} x PP {args.pp} x CP {args.cp} = "
                           f"{args.tp * args.pp * args.cp} does not divide the {trainer_gpus} "
                           "trainer GPUs")
+    dp = trainer_gpus // (args.tp * args.pp * args.cp)
+    if (args.tp * args.cp * dp) % args.ep:
+        raise ConfigError(f"--ep {args.ep} does not divide TP {args.tp} x CP {args.cp} x DP {dp}"
+                          " (expert TP is 1: expert ranks come from those)")
     return split
 
 
@@ -274,7 +278,9 @@ def deployment(args: argparse.Namespace, nodes: list[str], admin_token: str) -> 
                     "model": {"hf_path": str(args.model_dir), "dtype": "bfloat16"},
                     "parallel": {"tensor_parallel": args.tp, "sequence_parallel": args.tp > 1,
                                  "pipeline_parallel": args.pp, "context_parallel": args.cp,
-                                 "expert_parallel": args.ep, "data_parallel": 1,
+                                 "expert_parallel": args.ep,
+                                 "data_parallel": max(1, len(trainer_nodes) * args.gpus_per_node
+                                                      // (args.tp * args.pp * args.cp)),
                                  "num_layers_per_stage": [int(x) for x in
                                                           args.pipeline_split.split(",")],
                                  "launcher": "external"},
