@@ -308,11 +308,11 @@ def _smoke(config: dict[str, Any], args: argparse.Namespace) -> None:
     tasks = str(args.tasks_dir)
     config["sandbox"].update(tasks_dir=tasks, tokenizer_path=model, max_concurrent_episodes=8,
                              provider={"type": "local"},
-                             agent={"max_turns": 3, "max_context_tokens": 4096,
-                                    "max_new_tokens": 48, "wall_time_s": 120.0,
+                             agent={"max_turns": 2, "max_context_tokens": 4096,
+                                    "max_new_tokens": 32, "wall_time_s": 120.0,
                                     "default_command_timeout_s": 10.0})
     config["rollout"]["scheduler"].update(max_concurrent_samples=8, n_samples_per_prompt=4,
-                                          num_groups_per_batch=2, max_new_tokens=48,
+                                          num_groups_per_batch=2, max_new_tokens=32,
                                           temperature=1.0, max_staleness=4)
     config["rollout"]["fleet"].update(model_path=model, sglang={})
     config["engine"] = {"model_path": model}
