@@ -206,10 +206,10 @@ def check_files(args: argparse.Namespace) -> None:
     for flag, path in (("--model-dir", args.model_dir), ("--fp8-model-dir", args.fp8_model_dir)):
         if not (path / "config.json").is_file():
             raise ConfigError(f"{flag} {path}: no model there (config.json missing)")
-    ckpt = _checkpoint_dir(args)
-    if ckpt.is_dir() and any(ckpt.iterdir()) and not args.resume:
-        raise ConfigError(f"{ckpt} holds checkpoints: pass --resume to continue from them, or "
-                          "choose another --output-dir")
+    for state in (_checkpoint_dir(args), args.output_dir.resolve() / "redis"):
+        if state.is_dir() and any(state.iterdir()) and not args.resume:
+            raise ConfigError(f"{state} holds a previous run's state: pass --resume to continue"
+                              " from it, or choose another --output-dir")
 
 
 def _checkpoint_dir(args: argparse.Namespace) -> Path:
@@ -374,6 +374,8 @@ def plan_text(config: Any, config_path: Path, hf: dict[str, Any], source: str,
              render_memory(config, hf, args.gpu_memory_gb, 1.0 if not args.smoke else 4.0), "",
              "## Riptide lacks (reference setting: what Riptide would need)"]
     lines += [f"  - {row}: {setting}" for row, setting in RIPTIDE_LACKS]
+    lines.append(f"  (asked for: eval every {args.eval_interval} steps on "
+                 f"{args.eval_tasks_dir or 'no --eval-tasks-dir'}; not wired until then)")
     return "\n".join(lines)
 
 

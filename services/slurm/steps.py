@@ -18,9 +18,6 @@ from urllib.parse import urlsplit
 
 from services.common.errors import ConfigError
 
-#: Start order: what a step calls must be up before it.
-ORDER = ("redis", "engine", "router", "sandbox", "trainer", "rollout")
-
 
 @dataclass(frozen=True)
 class Step:
@@ -56,7 +53,9 @@ def _host_port(url: str, what: str) -> tuple[str, int]:
 
 
 def deployment_steps(config: Any, config_path: Path, python: str = sys.executable) -> list[Step]:
-    """Every step of the deployment, in start order; ConfigError says what does not fit."""
+    """Every step of the deployment in start order, where what a step calls is up before it
+    (the rollout service never calls the trainer, so episodes run while the trainer builds
+    its model); ConfigError says what does not fit."""
     s = config.slurm
     if not s.head_node or not s.trainer_nodes:
         raise ConfigError("slurm.head_node and slurm.trainer_nodes must be set to run on Slurm")
@@ -77,8 +76,8 @@ def deployment_steps(config: Any, config_path: Path, python: str = sys.executabl
         files = dict(s.sandbox_env_files) if name == "sandbox" else {}
         steps.append(Step(name, head, 1, serve(name), f"{section.admin_url}/readyz",
                           env_files=files))
-    steps.append(_trainer_step(config, serve))
     steps.append(Step("rollout", head, 1, serve("rollout"), f"{config.rollout.admin_url}/readyz"))
+    steps.append(_trainer_step(config, serve))
     return steps
 
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -135,8 +136,24 @@ class SlurmCluster:
                 texts.append("\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
         return "\n".join(texts) or "(no log)"
 
+    def cancel_all_jobs(self, timeout_s: float = 60.0) -> None:
+        """scancel every job and wait until none is left: a step's slurmstepd is no child of
+        slurmd and would outlive it, with the step's processes."""
+        if "slurmctld" not in self.children or self.children["slurmctld"].poll() is not None:
+            return
+        jobs = self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
+        if jobs:
+            self.run(["scancel", *jobs], check=False)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip():
+                return
+            time.sleep(0.5)
+
     def stop(self) -> None:
-        """Stop the daemons, newest first, each by its own process group."""
+        """Cancel what still runs, then stop the daemons, newest first, each by its own
+        process group."""
+        self.cancel_all_jobs()
         for name in reversed(list(self.children)):
             process.stop(self.children[name], grace_s=10.0)
         self.children.clear()

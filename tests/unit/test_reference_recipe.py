@@ -8,6 +8,7 @@ named in the plan's "Riptide lacks" list.
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -140,7 +141,7 @@ def test_plan_prints_steps_config_memory_and_what_riptide_lacks() -> None:
                              "plan"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    assert "node00: redis, router, sandbox, trainer x4, rollout" in text
+    assert "node00: redis, router, sandbox, rollout, trainer x4" in text
     assert "node08: engine-0" in text and "sglang.launch_server" in text
     assert "--ntasks=32" in text and "MASTER_ADDR=node00" in text
     assert "[trainer.parallel]" in text and "<admin token>" in text
@@ -222,16 +223,20 @@ def test_launch_files_are_checked(tmp_path: Path) -> None:
         _check_files(flags)
     (tmp_path / "fp8" / "config.json").write_text("{}")
     (tmp_path / "out" / "checkpoints" / "step-1").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="pass --resume"):
+    with pytest.raises(ConfigError, match="holds a previous run's state: pass --resume"):
         _check_files(flags)
     _check_files([*flags, "--resume"])
+    shutil.rmtree(tmp_path / "out" / "checkpoints")
+    (tmp_path / "out" / "redis" / "appendonlydir").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="redis holds a previous run's state"):
+        _check_files(flags)
 
 
 def test_smoke_plan_runs_on_one_node(tmp_path: Path) -> None:
     config = build("--smoke", "--head-address", "127.0.0.1", "--output-dir", str(tmp_path))
     steps = deployment_steps(config, tmp_path / "deploy.toml")
-    assert [s.name for s in steps] == ["redis", "engine-0", "router", "sandbox", "trainer",
-                                       "rollout"]
+    assert [s.name for s in steps] == ["redis", "engine-0", "router", "sandbox", "rollout",
+                                       "trainer"]
     assert all(s.nodes == ["node00"] for s in steps)
     assert config.sandbox.provider.type == "local" and config.slurm.engine_program == "builtin"
     assert config.rollout.fleet.attach_urls == ["http://127.0.0.1:30000"]

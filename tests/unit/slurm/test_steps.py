@@ -32,7 +32,7 @@ def _config(**slurm: Any) -> Any:
 def test_steps_are_placed_and_ordered() -> None:
     steps = deployment_steps(_config(), CONFIG)
     assert [s.name for s in steps] == ["redis", "engine-0", "engine-1", "router", "sandbox",
-                                       "trainer", "rollout"]
+                                       "rollout", "trainer"]
     by_name = {s.name: s for s in steps}
     assert by_name["engine-1"].nodes == ["n4", "n5"]
     engine = by_name["engine-0"].command
