@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--gpus-per-node", type=int, default=4)
         p.add_argument("--gpu-memory-gb", type=float, default=277.0,
                        help="usable HBM of one GPU, for the memory plan")
-        p.add_argument("--steps", type=int, default=100, help="trainer steps")
+        p.add_argument("--steps", type=int, default=None, help="trainer steps (100; smoke: 3)")
         p.add_argument("--smoke", action="store_true",
                        help="one node or more, a tiny model, the built-in engine, local "
                             "sandboxes on the bundled tasks, short episodes")
@@ -335,7 +335,7 @@ def smoke_defaults(args: argparse.Namespace) -> None:
     args.fp8_model_dir = args.model_dir
     if args.tasks_dir == Path("/data/terminal-bench-2"):
         args.tasks_dir = SMOKE_TASKS
-    if args.steps == 100:
+    if args.steps is None:
         args.steps = 3
     args.pipeline_split = "0"
 
@@ -356,6 +356,8 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
     """Validate the flags and return the deployment config, the model shape and its source."""
     if args.smoke:
         smoke_defaults(args)
+    elif args.steps is None:
+        args.steps = 100
     nodes = job_nodes(args)
     hf, source = model_shape(args)
     if not args.smoke:

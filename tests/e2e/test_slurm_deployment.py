@@ -138,7 +138,7 @@ def test_smoke_run_on_slurm_restarts_a_killed_step_and_cancel_leaves_nothing(
         env = {**cluster.env(), "RIPTIDE_PYTHON": sys.executable,
                "RIPTIDE_HEAD_ADDRESS": "127.0.0.1", "PYTHONPATH": str(REPO)}
         submit = [ "sbatch", "--parsable", "--nodes=1", f"--chdir={workdir}",
-                  f"--output={job_out}", str(ADAPTER), "train", "--smoke", "--steps", "100",
+                  f"--output={job_out}", str(ADAPTER), "train", "--smoke", "--steps", "50",
                   "--port-base", str(_port_base()), "--output-dir", str(out)]
         import subprocess
 
