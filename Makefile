@@ -10,8 +10,10 @@ LEARN_ARGS ?=
 PYTEST_ARGS ?=
 
 RUNTIME_DEPS := redis-server:redis-server bwrap:bubblewrap git:git
-# podman and debootstrap: the compose stack's test builds its images and runs them in podman.
-TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose podman:podman debootstrap:debootstrap
+# podman and debootstrap: the compose stack's test builds its images and runs them in podman;
+# slurm-wlm and munge: the Slurm deployment's test runs a one-node cluster.
+TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose podman:podman debootstrap:debootstrap \
+	slurmctld:slurm-wlm munged:munge
 # `make image`: the Riptide image, built offline (scripts/build_image.sh; BASE_IMAGE etc.).
 IMAGE ?= riptide:latest
 

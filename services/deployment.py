@@ -27,6 +27,7 @@ def _section_models() -> dict[str, type[StrictModel]]:
     from services.rollout.config import RolloutConfig
     from services.router.config import RouterConfig
     from services.sandbox.config import SandboxConfig
+    from services.slurm.config import SlurmConfig
     from services.trainer.config import TrainerConfig
 
     return {
@@ -35,6 +36,7 @@ def _section_models() -> dict[str, type[StrictModel]]:
         "sandbox": SandboxConfig,
         "trainer": TrainerConfig,
         "engine": EngineConfig,
+        "slurm": SlurmConfig,
     }
 
 

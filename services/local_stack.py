@@ -148,16 +148,8 @@ class LocalStack:
         self.say(f"[up] {name:<10} ready  grpc {section.grpc_address}  admin {section.admin_url}")
 
     def _wait(self, probe: Callable[[], bool], name: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not probe():
-            child = self.children[name]
-            if child.poll() is not None:
-                raise RiptideError(f"{name} exited with code {child.returncode} while starting; "
-                                   f"last log lines:\n{self.log_tail(name)}")
-            if time.monotonic() > deadline:
-                raise RiptideError(f"{name} not ready after {timeout_s:.0f}s; "
-                                   f"last log lines:\n{self.log_tail(name)}")
-            time.sleep(0.2)
+        process.wait_until_ready(probe, self.children[name], name, timeout_s,
+                                 lambda: f"last log lines:\n{self.log_tail(name)}")
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self._log(name)
@@ -243,14 +235,15 @@ def _supervise(stack: LocalStack, steps: int | None,
             print(f"[up] {dead} exited unexpectedly; last log lines:\n{stack.log_tail(dead)}",
                   flush=True)
             return 1
-        if steps is not None and _trainer_step(stack.config) >= steps:
+        if steps is not None and trainer_step(stack.config) >= steps:
             if summarize is not None:
                 print(summarize(stack.config), flush=True)
             return 0
         time.sleep(1.0)
 
 
-def _trainer_step(config: Any) -> int:
+def trainer_step(config: Any) -> int:
+    """The trainer's step from its admin state (-1 while it cannot say)."""
     headers = {"Authorization": f"Bearer {config.run.admin_token}"}
     try:
         state = httpx.get(f"{config.trainer.admin_url}/admin/state", headers=headers,

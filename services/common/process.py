@@ -6,9 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
+
+from services.common.errors import RiptideError
 
 # Runs in the child before the real command: ask the kernel for SIGTERM when the parent dies
 # (PR_SET_PDEATHSIG), give up if the parent is already gone, then exec. A shim instead of
@@ -63,3 +66,18 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def wait_until_ready(probe: Callable[[], bool], child: subprocess.Popen[bytes], name: str,
+                     timeout_s: float, detail: Callable[[], str],
+                     interval_s: float = 0.2) -> None:
+    """Poll `probe` until it holds; RiptideError if `child` exits or `timeout_s` passes first,
+    with `detail()` (a log tail, a log path) appended."""
+    deadline = time.monotonic() + timeout_s
+    while not probe():
+        if child.poll() is not None:
+            raise RiptideError(f"{name} exited with code {child.returncode} while starting; "
+                               f"{detail()}")
+        if time.monotonic() > deadline:
+            raise RiptideError(f"{name} not ready after {timeout_s:.0f}s; {detail()}")
+        time.sleep(interval_s)

@@ -1,0 +1,1 @@
+"""Running a deployment on Slurm: one `srun` step per service, supervised and restarted."""

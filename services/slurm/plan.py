@@ -1,0 +1,74 @@
+"""The printed plan of a Slurm deployment: processes per node, the config, memory estimates.
+
+Used by recipes (`plan`, `train --dry-run`) before anything starts, so a reader sees which
+process runs on which node with which command line, the exact deployment file, and whether
+the model fits, with the formula behind each number.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from services.common.config import dump_config
+from services.slurm.memory import Estimate, engine_gpu, model_size, trainer_rank
+from services.slurm.steps import deployment_steps
+
+
+def render_steps(config: Any, config_path: Path) -> str:
+    """Each node with the steps that run on it, and every step's srun command line."""
+    steps = deployment_steps(config, config_path)
+    s = config.slurm
+    by_node: dict[str, list[str]] = {n: [] for n in [s.head_node, *s.trainer_nodes,
+                                                     *s.engine_nodes]}
+    for step in steps:
+        for node in step.nodes:
+            tasks = f" x{step.ntasks_per_node}" if step.ntasks_per_node > 1 else ""
+            by_node.setdefault(node, []).append(step.name + tasks)
+    lines = ["## Processes per node"]
+    lines += [f"  {node}: {', '.join(names)}" for node, names in by_node.items()]
+    lines.append("")
+    lines.append("## srun steps (started in this order, restarted when they fail)")
+    log_dir = Path(config.slurm.log_dir)
+    for step in steps:
+        env = [f"{k}={v}" for k, v in step.env.items()]
+        env += [f"{k}=$(cat {v})" for k, v in step.env_files.items()]
+        prefix = f"{' '.join(env)} " if env else ""
+        lines.append(f"  [{step.name}] {prefix}"
+                     f"{shlex.join(step.srun_argv(log_dir, config.slurm.srun_args))}")
+    return "\n".join(lines)
+
+
+def _table(title: str, rows: list[Estimate]) -> list[str]:
+    lines = [title]
+    lines += [f"  {e.what:<36} {e.gb:>10.2f}   = {e.formula}" for e in rows]
+    return lines
+
+
+def render_memory(config: Any, hf: dict[str, Any], gpu_memory_gb: float,
+                  engine_weight_bytes: float) -> str:
+    """Memory estimates of the fullest trainer rank and one engine GPU (GB unless named)."""
+    size = model_size(hf)
+    lines = ["## Memory estimates (GB unless named; planning figures, not measurements)",
+             f"  model: {size.total / 1e9:.1f}B parameters, {size.active / 1e9:.1f}B active "
+             f"per token = embeddings x 2 + layers x attention + dense MLPs + MoE layers x "
+             f"(routed + shared experts)"]
+    lines += _table("  trainer rank:", trainer_rank(size, config.trainer))
+    lines += _table("  engine GPU:", engine_gpu(size, config.rollout.fleet.sglang,
+                                                gpu_memory_gb, engine_weight_bytes))
+    return "\n".join(lines)
+
+
+def render_config(config: Any) -> str:
+    """The deployment file exactly as it is written (the tokens masked)."""
+    text = dump_config(config)
+    return "## Deployment config\n" + _mask_secrets(text, config.run)
+
+
+def _mask_secrets(text: str, run: Any) -> str:
+    for name in ("admin_token", "grpc_token"):
+        secret = getattr(run, name)
+        if secret:
+            text = text.replace(secret, f"<{name.replace('_', ' ')}>")
+    return text
