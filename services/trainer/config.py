@@ -31,11 +31,6 @@ class LossConfig(StrictModel):
     reference_hf_path: str = Field(
         "", description="reference model folder for the KL term (empty: the initial weights)"
     )
-    sampling_temperature: float = Field(
-        1.0, gt=0, le=100,
-        description="temperature T the engines sampled at: the trainer's log-probs are of"
-        " softmax(logits / T), the distribution the rollout log-probs come from",
-    )
 
     def settings(self) -> LossSettings:
         from services.trainer.loss import LossSettings  # torch stays out of config parsing
@@ -112,6 +107,10 @@ class TrainerConfig(ServiceConfig):
         1000, ge=1, description="longest single blocking stream read (stop is checked between)"
     )
     pad_token_id: int = Field(0, ge=0, description="token id used to right-pad rows")
+    sampling_temperature: float = Field(
+        1.0, gt=0, description="the engines' sampling temperature: log-probs are of logits / T, "
+        "as the engines report them (must equal rollout.scheduler.temperature)"
+    )
     loss: LossConfig = Field(default_factory=LossConfig, description="policy-gradient objective")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="optimizer")
     checkpoint: CheckpointConfig = Field(

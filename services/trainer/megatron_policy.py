@@ -3,7 +3,7 @@
 Sets up the ranks (parallel.py), builds the model (model.py: the configured attention backend
 and recomputation), loads the Hugging Face weights (convert.py) and wraps it in a
 `ModelPolicy` with per-token log-probs from logprobs.py at the engines' sampling temperature
-(`loss.sampling_temperature`) and `MasterAdam` (optimizer state on the parameters' device by
+(`trainer.sampling_temperature`) and `MasterAdam` (optimizer state on the parameters' device by
 default, in host RAM, or streamed from `stream_optimizer_state_to_disk`);
 under context parallelism the log-probs come from context_parallel.py.
 Called by service.py; tests call it for the real-model paths.
@@ -169,7 +169,7 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
         from services.trainer.context_parallel import cp_token_logprobs
 
         logprob_fn = cp_token_logprobs
-    temperature = config.loss.sampling_temperature
+    temperature = config.sampling_temperature
     policy = ModelPolicy(model, optimizer, logprob_fn, opt.max_grad_norm, clip, grad_sync,
                          temperature)  # fmt: skip
     reference = None

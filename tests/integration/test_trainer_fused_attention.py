@@ -24,10 +24,9 @@ def _run(model: Any, layout: str, ids: Any, weights: Any, cu: list[int] | None =
     sum of them, the gradients made whole across ranks as the policy's step does."""
     import torch
 
-    from services.trainer.grad_norm import all_reduce_data_parallel_grads
-
     from services.trainer.batch import MicroBatch
     from services.trainer.context_parallel import cp_token_logprobs
+    from services.trainer.grad_norm import all_reduce_data_parallel_grads
     from services.trainer.logprobs import token_logprobs
     from services.trainer.pipeline_step import run_schedule
 
