@@ -2,14 +2,18 @@
 
 Each scored sample becomes one row `prompt_ids + response_ids`; per-token arrays (loss mask,
 rollout log-probs, advantages) line up with the token ids (index t belongs to token t), the
-prompt part masked out. Rows are right-padded (plain RoPE numbers positions 0..S-1 per row,
-so a row must start at position 0) and grouped, longest first, into micro-batches of at most
-`max_tokens_per_microbatch` padded tokens. Called by data.py; consumed by step.py.
+prompt part masked out. Rows are grouped, longest first, into micro-batches of at most
+`max_tokens_per_microbatch` tokens: right-padded rows [B, S] (each row starts at position 0),
+or with `packed` one row [1, T] of the samples back to back and their boundaries
+`cu_seqlens`, no padding (megatron's THD layout; per-sequence positions come from the
+boundaries). A sample longer than the budget is a micro-batch of its own.
+Called by data.py; consumed by step.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -21,16 +25,19 @@ from services.trainer.loss import group_advantages
 
 @dataclass
 class MicroBatch:
-    """Right-padded rows `[B, T]`; per-token tensors aligned with `input_ids`."""
+    """Right-padded rows `[B, T]`, or one packed row `[1, T]` with `cu_seqlens`; per-token
+    tensors aligned with `input_ids`."""
 
     input_ids: Tensor
     loss_mask: Tensor
     rollout_logprobs: Tensor
     advantages: Tensor
     lengths: list[int]
+    cu_seqlens: list[int] | None = None  # packed: sequence boundaries 0, len0, len0+len1, ...
 
-    @property
+    @cached_property
     def num_loss_tokens(self) -> int:
+        # counted once: reading it from a GPU tensor waits for the GPU
         return int(self.loss_mask.sum().item())
 
     def to(self, device: torch.device) -> MicroBatch:
@@ -39,7 +46,7 @@ class MicroBatch:
             return self
         return MicroBatch(self.input_ids.to(device), self.loss_mask.to(device),
                           self.rollout_logprobs.to(device), self.advantages.to(device),
-                          self.lengths)  # fmt: skip
+                          self.lengths, self.cu_seqlens)  # fmt: skip
 
 
 @dataclass
@@ -117,13 +124,53 @@ def _micro_batch(rows: list[_Row], pad_id: int) -> MicroBatch:
     return MicroBatch(ids, mask, logprobs, adv, [len(r.ids) for r in rows])
 
 
+def _packed_micro_batch(rows: list[_Row]) -> MicroBatch:
+    lengths = [len(r.ids) for r in rows]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+
+    def row(values: list[list[float]] | list[list[int]], dtype: torch.dtype) -> Tensor:
+        return torch.tensor([v for part in values for v in part], dtype=dtype).unsqueeze(0)
+
+    return MicroBatch(
+        input_ids=row([r.ids for r in rows], torch.long),
+        loss_mask=row([r.mask for r in rows], torch.float32),
+        rollout_logprobs=row([r.logprobs for r in rows], torch.float32),
+        advantages=row([[r.advantage] * len(r.ids) for r in rows], torch.float32),
+        lengths=lengths,
+        cu_seqlens=cu,
+    )
+
+
+def _group_rows(rows: list[_Row], budget: int, packed: bool) -> list[list[_Row]]:
+    """Rows (sorted longest first) cut into micro-batches of at most `budget` tokens."""
+    out: list[list[_Row]] = []
+    current: list[_Row] = []
+    used = 0
+    for row in rows:
+        # Padded: the first row of a micro-batch sets its width. Packed: tokens add up.
+        cost = len(row.ids) if packed else (len(current[0].ids) if current else len(row.ids))
+        if current and used + cost > budget:
+            out.append(current)
+            current, used = [], 0
+            cost = len(row.ids)
+        current.append(row)
+        used += cost
+    if current:
+        out.append(current)
+    return out
+
+
 def pack_groups(
     entries: list[tuple[str, Group]],
     normalize_std: bool,
     max_tokens_per_microbatch: int,
     pad_id: int = 0,
+    packed: bool = False,
 ) -> RolloutBatch:
-    """Pack (entry_id, group) pairs into a RolloutBatch; samples without a verdict are dropped."""
+    """Pack (entry_id, group) pairs into a RolloutBatch (`packed`: THD micro-batches); samples
+    without a verdict are dropped."""
     rows: list[_Row] = []
     rewards: list[float] = []
     dropped = 0
@@ -133,17 +180,8 @@ def pack_groups(
         rewards += group_rewards
         dropped += group_dropped
     rows.sort(key=lambda r: len(r.ids), reverse=True)
-    micro: list[MicroBatch] = []
-    current: list[_Row] = []
-    for row in rows:
-        # Rows are sorted longest first, so the first row of a micro-batch sets its width.
-        width = len(current[0].ids) if current else len(row.ids)
-        if current and width * (len(current) + 1) > max_tokens_per_microbatch:
-            micro.append(_micro_batch(current, pad_id))
-            current = []
-        current.append(row)
-    if current:
-        micro.append(_micro_batch(current, pad_id))
+    groups = _group_rows(rows, max_tokens_per_microbatch, packed)
+    micro = [_packed_micro_batch(g) if packed else _micro_batch(g, pad_id) for g in groups]
     return RolloutBatch(
         micro_batches=micro,
         entry_ids=[entry_id for entry_id, _ in entries],

@@ -53,6 +53,12 @@ class OptimizerConfig(StrictModel):
     bucket_mb: float = Field(
         64.0, gt=0, description="fp32 master MiB per optimizer bucket (state is 3x that)"
     )
+    state_on_device: bool = Field(
+        True,
+        description="keep fp32 master weights and moments where the parameters are (the GPU)"
+        " and update them there; false keeps them in host RAM (hosts without GPU room). With"
+        " stream_optimizer_state_to_disk each bucket passes through the parameters' device",
+    )
     shard_state: bool = Field(
         True,
         description="split master weights and moments over data-parallel replicas, as "
@@ -83,7 +89,15 @@ class TrainerConfig(ServiceConfig):
         1, ge=1, description="optimizer updates per step (the batch is split into this many)"
     )
     max_tokens_per_microbatch: int = Field(
-        8192, ge=1, description="padded tokens per forward/backward micro-batch"
+        8192, ge=1,
+        description="tokens per forward/backward micro-batch (padded rows: counting the"
+        " padding; a longer sample is a micro-batch of its own)",
+    )
+    packed_sequences: bool = Field(
+        False,
+        description="micro-batches of samples back to back in one row (THD, cu_seqlens),"
+        " no padding computed; needs the fused or te attention backend and context_parallel"
+        " = 1",
     )
     max_steps: int = Field(0, ge=0, description="stop after this many steps (0: run until told)")
     consumer_name: str = Field(
@@ -115,5 +129,14 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(
                 f"num_minibatches ({self.num_minibatches}) exceeds rollout_batch_size "
                 f"({self.rollout_batch_size}); lower it or raise the batch size"
+            )
+        if self.packed_sequences and self.model.attention_backend == "local":
+            raise ValueError(
+                "packed_sequences needs trainer.model.attention_backend = \"fused\" or \"te\""
+                " (megatron's local attention has no packed mode)"
+            )
+        if self.packed_sequences and self.parallel.context_parallel > 1:
+            raise ValueError(
+                "packed_sequences does not run under context_parallel > 1 yet; turn one off"
             )
         return self

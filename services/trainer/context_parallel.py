@@ -11,7 +11,7 @@ runs the model on its chunks (`local_rows`) and the log-probs are all-gathered b
 full [B, S] (`gather_logprobs`), so the loss runs unchanged and identically on every CP
 rank; each rank's backward then yields the gradient of its own tokens, and grad_norm.py sums
 the gradients over DP x CP.
-Used by model.py (`use_context_parallel_attention` on the layer spec) and megatron_policy.py.
+Used by model.py (`with_core_attention` on the layer spec) and megatron_policy.py.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def gathered_positions(seq_len: int, cp_size: int, device: Any = None) -> Tensor
     return torch.cat([chunk_positions(seq_len, cp_size, r, device) for r in range(cp_size)])
 
 
-def _cp_group() -> Any:
+def cp_group() -> Any:
     from megatron.core import parallel_state as ps
 
     return ps.get_context_parallel_group()
@@ -92,11 +92,11 @@ def require_plain_causal(config: Any, attn_mask_type: Any, what: str) -> None:
         raise ConfigError(f"{what}: softmax {config.softmax_type!r} is not supported")
 
 
-class ContextParallelAttention(torch.nn.Module):
-    """Causal core attention of this CP rank's query chunks against the whole sequence.
+class CausalCoreAttention(torch.nn.Module):
+    """What the core attentions written here share: megatron DotProductAttention's
+    constructor, a plain causal mask, the softmax scale, dropout and the CP group."""
 
-    Takes the arguments megatron's DotProductAttention takes; query [sq, b, np, hn], key and
-    value [sk, b, ng, hn] hold this rank's chunks; returns [sq, b, np * hn]."""
+    name = "context parallel attention"
 
     def __init__(
         self,
@@ -111,13 +111,20 @@ class ContextParallelAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
 
-        require_plain_causal(config, attn_mask_type, "context parallel attention")
+        require_plain_causal(config, attn_mask_type, self.name)
         self.config = config
-        self.group = getattr(pg_collection, "cp", None) or _cp_group()
+        self.group = getattr(pg_collection, "cp", None) or cp_group()
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = torch.nn.Dropout(
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+
+
+class ContextParallelAttention(CausalCoreAttention):
+    """Causal core attention of this CP rank's query chunks against the whole sequence.
+
+    Takes the arguments megatron's DotProductAttention takes; query [sq, b, np, hn], key and
+    value [sk, b, ng, hn] hold this rank's chunks; returns [sq, b, np * hn]."""
 
     def forward(
         self,
@@ -129,17 +136,21 @@ class ContextParallelAttention(torch.nn.Module):
         attention_bias: Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> Tensor:
-        from megatron.core import tensor_parallel
-
         if attention_mask is not None or attention_bias is not None or packed_seq_params:
             raise ConfigError("context parallel attention takes no mask, bias or packed rows")
         size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        sq, batch, heads, _ = query.shape
         key = gather_sequence(key, self.group, 0, reduce_grad=True)
         value = gather_sequence(value, self.group, 0, reduce_grad=True)
         # Back to sequence order: the sums of softmax and context then run as at CP = 1.
-        natural = torch.argsort(gathered_positions(sq * size, size, query.device))
-        key, value = key[natural], value[natural]
+        natural = torch.argsort(gathered_positions(query.size(0) * size, size, query.device))
+        return self.attend(query, key[natural], value[natural], rank, size)
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, rank: int, size: int) -> Tensor:
+        """Causal attention of this rank's query chunks [sq, b, np, hn] against the whole
+        sequence's keys and values [S, b, ng, hn], in sequence order; [sq, b, np * hn]."""
+        from megatron.core import tensor_parallel
+
+        sq, batch, heads, _ = query.shape
         if heads != key.size(2):
             key = key.repeat_interleave(heads // key.size(2), dim=2)
             value = value.repeat_interleave(heads // value.size(2), dim=2)
@@ -161,12 +172,12 @@ class ContextParallelAttention(torch.nn.Module):
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * v.size(-1))
 
 
-def use_context_parallel_attention(spec: Any) -> Any:
-    """A copy of a GPT layer spec (or block spec) whose self-attention uses
-    `ContextParallelAttention` as its core attention."""
+def with_core_attention(spec: Any, core_attention: Any) -> Any:
+    """A copy of a GPT layer spec (or block spec) whose self-attention uses `core_attention`
+    (this module's `ContextParallelAttention`, or fused_attention.py's)."""
     spec = copy.deepcopy(spec)
     for layer in getattr(spec, "layer_specs", None) or [spec]:
-        layer.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+        layer.submodules.self_attention.submodules.core_attention = core_attention
     return spec
 
 
@@ -187,7 +198,7 @@ def local_rows(input_ids: Tensor, group: Any = None) -> LocalRows:
     tokens change nothing)."""
     from megatron.core import parallel_state as ps
 
-    group = group or _cp_group()
+    group = group or cp_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     batch, seq = input_ids.shape
@@ -204,7 +215,7 @@ def local_rows(input_ids: Tensor, group: Any = None) -> LocalRows:
 def gather_logprobs(local: Tensor, rows: LocalRows, group: Any = None) -> Tensor:
     """Whole-row log-probs [B, S] (0 at t = 0) from every CP rank's log-probs of its chunks'
     targets [B, 2 * chunk]; the backward keeps this rank's part."""
-    group = group or _cp_group()
+    group = group or cp_group()
     size = dist.get_world_size(group)
     gathered = gather_sequence(local, group, 1, reduce_grad=False)
     full = gathered[:, torch.argsort(gathered_positions(rows.padded_len, size, local.device))]
@@ -218,12 +229,9 @@ def logprobs_from_local_logits(
 ) -> Tensor:
     """Whole-row log-probs [B, S] from this CP rank's vocab-parallel logits of its chunks
     [B, 2 * chunk, V/TP] (every CP rank calls it: the result is all-gathered)."""
-    from megatron.core import tensor_parallel
+    from services.trainer.chunked_logprobs import target_logprobs
 
-    scaled = logits.float() / temperature if temperature != 1.0 else logits.float().clone()
-    # Cross entropy is -log p; megatron's version all-reduces over the TP group.
-    local = -tensor_parallel.vocab_parallel_cross_entropy(scaled, rows.targets)
-    return gather_logprobs(local, rows, group)
+    return gather_logprobs(target_logprobs(logits, rows.targets, temperature), rows, group)
 
 
 def cp_token_logprobs(model: Any, input_ids: Tensor, temperature: float = 1.0) -> Tensor:

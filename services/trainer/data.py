@@ -44,6 +44,7 @@ class GroupStream:
         max_tokens_per_microbatch: int,
         block_ms: int = 1000,
         pad_id: int = 0,
+        packed: bool = False,
     ) -> None:
         self.buffer = buffer
         self.consumer = consumer
@@ -52,6 +53,7 @@ class GroupStream:
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.block_ms = block_ms
         self.pad_id = pad_id
+        self.packed = packed
         self._backlog: deque[tuple[str, Group]] = deque()
         self.total_wait_s = 0.0
 
@@ -107,7 +109,8 @@ class GroupStream:
                     entries.append((entry_id, group))
             self.buffer.ack(duplicates)
         batch = pack_groups(
-            entries, self.normalize_std, self.max_tokens_per_microbatch, self.pad_id
+            entries, self.normalize_std, self.max_tokens_per_microbatch, self.pad_id,
+            self.packed,
         )
         batch.wait_s = wait_s
         self.total_wait_s += wait_s

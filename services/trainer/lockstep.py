@@ -43,6 +43,10 @@ def pad_micro_batch(mb: MicroBatch, rows: int, width: int) -> MicroBatch:
         rollout_logprobs=grow(mb.rollout_logprobs, 0),
         advantages=grow(mb.advantages, 0),
         lengths=list(mb.lengths) + [0] * (rows - num_rows),
+        # a packed row's padding is one more (loss-free) sequence
+        cu_seqlens=None if mb.cu_seqlens is None else (
+            list(mb.cu_seqlens) + ([width] if width > num_cols else [])
+        ),
     )
 
 
@@ -54,6 +58,7 @@ def dummy_micro_batch(like: MicroBatch, rows: int, width: int) -> MicroBatch:
         rollout_logprobs=like.rollout_logprobs[:0, :0],
         advantages=like.advantages[:0, :0],
         lengths=[],
+        cu_seqlens=None if like.cu_seqlens is None else [0],
     )
     return pad_micro_batch(empty, rows, width)
 

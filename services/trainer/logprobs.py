@@ -2,14 +2,16 @@
 
 Index t of the result is log p(token_t | tokens before t in the same sequence), 0 at each
 sequence's first token, so it lines up with token ids, loss masks and the engines'
-per-token log-probs. With TP > 1 the logits stay vocab-sharded and megatron's vocab-parallel
-cross entropy gives the log-probs directly. Packed batches (one row of concatenated
-sequences plus their boundaries) are unpacked to right-padded rows, because plain RoPE in
-megatron numbers positions 0..S-1 per row and the local attention has no packed mode.
-Gradients flow, so the loss can use these directly. With pipeline parallelism,
-`pipelined_token_logprobs` runs megatron's forward-only schedule across the stages (a training
-step's schedule runs `stage_forward` and `stage_logprobs` the same way, which under context
-parallelism run each CP rank's chunks, context_parallel.py).
+per-token log-probs; the probabilities are those of logits / T for the engine's sampling
+temperature T. The logits stay vocab-sharded under TP and chunked_logprobs.py scores them
+a chunk of tokens at a time, without fp32 copies of the [tokens, vocab] logits.
+Micro-batches are right-padded rows [B, S] or packed rows: one row [1, T] of sequences back
+to back with their boundaries `cu_seqlens` (0, len0, len0+len1, ...), which run through
+megatron's THD path (per-sequence RoPE positions, document-causal attention on the fused
+backend), no padding computed. Gradients flow, so the loss can use these directly. With
+pipeline parallelism, `pipelined_token_logprobs` runs megatron's forward-only schedule across
+the stages (a training step's schedule runs `stage_forward` and `stage_logprobs` the same
+way, which under context parallelism run each CP rank's chunks, context_parallel.py).
 """
 
 from __future__ import annotations
@@ -19,46 +21,92 @@ from typing import Any
 
 import torch
 
+from services.common.errors import ConfigError
+from services.trainer.chunked_logprobs import target_logprobs
 
-def token_logprobs_from_logits(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Log-probs [B, S] of `input_ids` [B, S] from vocab-parallel logits [B, S, V/TP]."""
-    from megatron.core import tensor_parallel
+#: Sequence boundaries of a packed row (None: right-padded rows).
+CuSeqlens = Sequence[int] | None
 
+
+def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """The token after each position [B, S] (0 after the last; packed rows' cross-sequence
+    targets are dropped by `align_logprobs`)."""
     targets = torch.zeros_like(input_ids)
     targets[:, :-1] = input_ids[:, 1:]
-    scaled = logits.float() / temperature if temperature != 1.0 else logits.float().clone()
-    # Cross entropy is -log p; megatron's version all-reduces over the TP group.
-    nll = tensor_parallel.vocab_parallel_cross_entropy(scaled, targets)
-    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=nll.device)
-    out[:, 1:] = -nll[:, :-1]
+    return targets
+
+
+def align_logprobs(next_logprobs: torch.Tensor, cu_seqlens: CuSeqlens = None) -> torch.Tensor:
+    """Log-probs of each token [B, S] from those of each position's next token: shifted right
+    by one, 0 at every sequence's first token."""
+    out = torch.zeros(next_logprobs.shape, dtype=torch.float32, device=next_logprobs.device)
+    out[:, 1:] = next_logprobs[:, :-1]
+    if cu_seqlens is not None:
+        out[:, list(cu_seqlens[:-1])] = 0.0
     return out
 
 
-def forward_logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
-    """Vocab-parallel logits [B, S, V/TP] of right-padded rows (causal attention, no mask).
-    Under sequence parallelism the rows run padded to a multiple of TP and the logits are
-    cut back to S; a pipeline stage before the last returns its padded activations."""
+def token_logprobs_from_logits(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
+    cu_seqlens: CuSeqlens = None,
+) -> torch.Tensor:
+    """Log-probs [B, S] of `input_ids` [B, S] from vocab-parallel logits [B, S, V/TP]."""
+    next_lp = target_logprobs(logits, next_token_targets(input_ids), temperature)
+    return align_logprobs(next_lp, cu_seqlens)
+
+
+def packed_seq_params(cu_seqlens: Sequence[int]) -> Any:
+    """megatron's THD PackedSeqParams for sequences with boundaries `cu_seqlens`. The
+    boundaries stay on the CPU: megatron's THD RoPE reads them as Python lengths in every
+    layer, which from a GPU tensor would wait for the GPU each time (fused_attention.py
+    copies them to the GPU once for its kernel)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = list(cu_seqlens)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+
+
+def forward_logits(
+    model: Any, input_ids: torch.Tensor, cu_seqlens: CuSeqlens = None
+) -> torch.Tensor:
+    """Vocab-parallel logits [B, S, V/TP] of right-padded rows (causal attention, no mask),
+    or of one packed row [1, T] with boundaries `cu_seqlens`. Under sequence parallelism the
+    rows run padded to a multiple of TP (a packed row: one extra pad sequence) and the logits
+    are cut back to S; a pipeline stage before the last returns its padded activations."""
     from services.trainer.sequence_parallel import pad_rows, sequence_multiple
 
     batch, seq = input_ids.shape
     padded = pad_rows(input_ids, sequence_multiple(model))
     position_ids = torch.arange(padded.shape[1], device=input_ids.device)
-    output = model(padded, position_ids.unsqueeze(0).expand(batch, -1), None)
+    packed = None
+    if cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(f"a packed micro-batch is one row, not {batch}")
+        bounds = list(cu_seqlens) + ([padded.shape[1]] if padded.shape[1] != seq else [])
+        packed = packed_seq_params(bounds)
+    output = model(padded, position_ids.unsqueeze(0).expand(batch, -1), None,
+                   packed_seq_params=packed)  # fmt: skip
     if padded.shape[1] != seq and getattr(model, "post_process", True):
         output = output[:, :seq]
     return output
 
 
-def stage_forward(stage_model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A pipeline stage's forward of right-padded rows `input_ids` [B, S] and the context
-    parallel rows it ran on (context_parallel.local_rows; None without CP), for
-    `stage_logprobs` on the last stage."""
+def stage_forward(
+    stage_model: Any, input_ids: torch.Tensor, cu_seqlens: CuSeqlens = None
+) -> tuple[torch.Tensor, Any]:
+    """A pipeline stage's forward of right-padded rows `input_ids` [B, S] (or a packed row)
+    and the context parallel rows it ran on (context_parallel.local_rows; None without CP),
+    for `stage_logprobs` on the last stage."""
     from megatron.core import parallel_state as ps
 
     if ps.get_context_parallel_world_size() == 1:
-        return forward_logits(stage_model, input_ids), None
+        return forward_logits(stage_model, input_ids, cu_seqlens), None
+    if cu_seqlens is not None:
+        raise ConfigError("packed micro-batches do not run under context parallelism yet;"
+                          " set trainer.packed_sequences = false with context_parallel > 1")
     from services.trainer.context_parallel import local_rows
 
     rows = local_rows(input_ids)
@@ -66,46 +114,25 @@ def stage_forward(stage_model: Any, input_ids: torch.Tensor) -> tuple[torch.Tens
 
 
 def stage_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, rows: Any, temperature: float = 1.0
+    logits: torch.Tensor, input_ids: torch.Tensor, rows: Any, temperature: float = 1.0,
+    cu_seqlens: CuSeqlens = None,
 ) -> torch.Tensor:
     """Whole-row log-probs [B, S] from the last stage's logits of `stage_forward`."""
     if rows is None:
-        return token_logprobs_from_logits(logits, input_ids, temperature)
+        return token_logprobs_from_logits(logits, input_ids, temperature, cu_seqlens)
     from services.trainer.context_parallel import logprobs_from_local_logits
 
     return logprobs_from_local_logits(logits, rows, temperature)
 
 
-def token_logprobs(model: Any, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    model: Any, input_ids: torch.Tensor, temperature: float = 1.0, cu_seqlens: CuSeqlens = None
+) -> torch.Tensor:
     """Log-probs [B, S] of right-padded rows `input_ids` [B, S] (padding only to the right,
-    so it never affects the real tokens under causal attention)."""
-    return token_logprobs_from_logits(forward_logits(model, input_ids), input_ids, temperature)
-
-
-def pad_packed(
-    tokens: torch.Tensor, cu_seqlens: Sequence[int], pad_id: int = 0
-) -> torch.Tensor:
-    """Right-padded rows [N, max_len] from a packed 1-D token tensor and its boundaries."""
-    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
-    rows = tokens.new_full((len(lengths), max(lengths)), pad_id)
-    for i, (start, n) in enumerate(zip(cu_seqlens[:-1], lengths, strict=True)):
-        rows[i, :n] = tokens[start : start + n]
-    return rows
-
-
-def unpad_to_packed(values: torch.Tensor, cu_seqlens: Sequence[int]) -> torch.Tensor:
-    """The packed 1-D layout of per-row values [N, max_len] (inverse of `pad_packed`)."""
-    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
-    return torch.cat([values[i, :n] for i, n in enumerate(lengths)])
-
-
-def packed_token_logprobs(
-    model: Any, tokens: torch.Tensor, cu_seqlens: Sequence[int], temperature: float = 1.0
-) -> torch.Tensor:
-    """Log-probs of a packed 1-D batch: `tokens` holds the sequences back to back and
-    `cu_seqlens` their boundaries (0, len0, len0+len1, ...)."""
-    rows = pad_packed(tokens, cu_seqlens)
-    return unpad_to_packed(token_logprobs(model, rows, temperature), cu_seqlens)
+    so it never affects the real tokens under causal attention), or of one packed row [1, T]
+    with boundaries `cu_seqlens`."""
+    logits = forward_logits(model, input_ids, cu_seqlens)
+    return token_logprobs_from_logits(logits, input_ids, temperature, cu_seqlens)
 
 
 def pipelined_token_logprobs(

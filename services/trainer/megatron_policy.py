@@ -1,8 +1,10 @@
 """Build the trainer's policy from config: the megatron GPT model from a Hugging Face folder.
 
-Sets up the ranks (parallel.py), builds the model (model.py), loads the Hugging Face weights
-(convert.py) and wraps it in a `ModelPolicy` with per-token log-probs from logprobs.py and
-`MasterAdam` (optimizer state in memory, or streamed from `stream_optimizer_state_to_disk`);
+Sets up the ranks (parallel.py), builds the model (model.py: the configured attention backend
+and recomputation), loads the Hugging Face weights (convert.py) and wraps it in a
+`ModelPolicy` with per-token log-probs from logprobs.py at the engines' sampling temperature
+(`trainer.sampling_temperature`) and `MasterAdam` (optimizer state on the parameters' device by
+default, in host RAM, or streamed from `stream_optimizer_state_to_disk`);
 under context parallelism the log-probs come from context_parallel.py.
 Called by service.py; tests call it for the real-model paths.
 """
@@ -71,7 +73,7 @@ def build_model(
     (RANK, WORLD_SIZE, ...) does, or a world of one."""
     from services.common.ports import free_port
     from services.trainer.convert import load_hf_checkpoint
-    from services.trainer.model import ModelShape, build_gpt_model, load_hf_config
+    from services.trainer.model import ModelShape, load_hf_config
     from services.trainer.parallel import init_parallel, resolve_backend
 
     if not config.model.hf_path:
@@ -91,11 +93,21 @@ def build_model(
         )
     shape = ModelShape.from_hf(load_hf_config(config.model.hf_path))
     check_moe_layout(shape, config.parallel)
-    model = build_gpt_model(shape, dtype=config.model.dtype,
-                            num_layers_per_stage=config.parallel.num_layers_per_stage,
-                            sequence_parallel=config.parallel.sequence_parallel)
+    model = configured_model(config, shape)
     load_hf_checkpoint(model, shape, config.model.hf_path)
     return model, shape, layout, resolve_backend(config.parallel)
+
+
+def configured_model(config: TrainerConfig, shape: Any) -> Any:
+    """model.build_gpt_model for `shape` with the configured dtype, layout, attention backend
+    and activation recomputation."""
+    from services.trainer.model import build_gpt_model
+
+    return build_gpt_model(
+        shape, dtype=config.model.dtype, num_layers_per_stage=config.parallel.num_layers_per_stage,
+        sequence_parallel=config.parallel.sequence_parallel,
+        attention=config.model.attention_backend, recompute=config.model.recompute(),
+    )  # fmt: skip
 
 
 def build_optimizer(
@@ -112,7 +124,7 @@ def build_optimizer(
             [p for _, p in part], lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
             weight_decay=opt.weight_decay, state_dir=folder, bucket_mb=opt.bucket_mb,
             moments_dtype=getattr(torch, opt.moments_dtype), no_decay=megatron_no_decay(part),
-            shard=shard,
+            shard=shard, device=None if opt.state_on_device else torch.device("cpu"),
         )  # fmt: skip
 
     if not (distributed and opt.shard_state):
@@ -152,22 +164,21 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
     optimizer = build_optimizer(config, named, state_dir, layout.world_size > 1)
     clip = clip_model_parallel_grad_norm if layout.world_size > 1 else None
     grad_sync = all_reduce_data_parallel_grads if layout.world_size > 1 else None
-    logprob_fn = token_logprobs
+    logprob_fn: Any = token_logprobs  # cp_token_logprobs under CP (no packed rows there)
     if layout.cp_size > 1:
         from services.trainer.context_parallel import cp_token_logprobs
 
         logprob_fn = cp_token_logprobs
-    policy = ModelPolicy(model, optimizer, logprob_fn, opt.max_grad_norm, clip, grad_sync)
+    temperature = config.sampling_temperature
+    policy = ModelPolicy(model, optimizer, logprob_fn, opt.max_grad_norm, clip, grad_sync,
+                         temperature)  # fmt: skip
     reference = None
     if config.loss.kl_coef > 0:
         from services.trainer.convert import load_hf_checkpoint
-        from services.trainer.model import build_gpt_model
 
-        ref_model = build_gpt_model(shape, dtype=config.model.dtype,
-                                    num_layers_per_stage=config.parallel.num_layers_per_stage,
-                                    sequence_parallel=config.parallel.sequence_parallel)
+        ref_model = configured_model(config, shape)
         load_hf_checkpoint(ref_model, shape, config.loss.reference_hf_path or config.model.hf_path)
-        reference = FrozenModel(ref_model, logprob_fn)
+        reference = FrozenModel(ref_model, logprob_fn, temperature)
     shard = None
     if layout.dp_size > 1:
         from megatron.core import parallel_state as ps

@@ -3,8 +3,12 @@
 `ModelShape.from_hf` reads the architecture facts Riptide needs from a Hugging Face config
 (dense Llama, Qwen2, Qwen3 with q/k norms, and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE);
 `transformer_config` maps them onto megatron's TransformerConfig and `build_gpt_model` builds
-this rank's part of the model with the local (non-TransformerEngine) layer spec, after
-`parallel.init_parallel` (under context parallelism with context_parallel.py's core attention).
+this rank's part of the model after `parallel.init_parallel`, with the layer spec of the chosen
+attention backend (`attention_spec`): megatron's local spec with torch's fused kernels
+(fused_attention.py, the default), the local spec as megatron ships it ("local", which
+materialises [heads, S, S] scores), or TransformerEngine's spec where it is importable ("te").
+Under context parallelism the local and fused backends use context_parallel.py's layout.
+Activation recomputation is megatron's (`recompute`: granularity, method, number of layers).
 The converters (convert.py) use the same ModelShape.
 """
 
@@ -116,10 +120,11 @@ def transformer_config(
     dtype: str = "float32",
     num_layers_per_stage: list[int] | None = None,
     sequence_parallel: bool = False,
+    recompute: dict[str, Any] | None = None,
 ) -> Any:
     """Megatron's TransformerConfig for `shape` split over the given parallel sizes (the
     pipeline stages holding `num_layers_per_stage` layers each, or an even split; sequence
-    parallelism where asked for and TP > 1)."""
+    parallelism where asked for and TP > 1; `recompute`: megatron's recompute_* fields)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from services.trainer.pipeline_layout import megatron_layout, split_layers
@@ -172,7 +177,8 @@ def transformer_config(
         attention_dropout=0.0,
         apply_query_key_layer_scaling=False,
         attention_softmax_in_fp32=True,
-        bias_activation_fusion=False,
+        # megatron's fused SwiGLU is torch-jit code: it needs no TransformerEngine or apex.
+        bias_activation_fusion=torch.cuda.is_available(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -190,6 +196,7 @@ def transformer_config(
         bf16=torch_dtype is torch.bfloat16,
         fp16=torch_dtype is torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
+        **(recompute or {}),
         **moe,
     )
 
@@ -203,12 +210,46 @@ def _allow_moe_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+ATTENTION_BACKENDS = ("fused", "local", "te")
+
+
+def attention_spec(shape: ModelShape, backend: str, cp: int) -> Any:
+    """The GPT layer spec of an attention backend (see the module doc)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention backend {backend!r} is none of {ATTENTION_BACKENDS}")
+    moe = {"num_experts": shape.num_experts or None, "moe_grouped_gemm": False,
+           "qk_layernorm": shape.qk_norm}  # fmt: skip
+    if backend == "te":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as err:
+            raise ConfigError(
+                "attention_backend = \"te\" needs transformer_engine, which does not import"
+                f" here ({err}); use \"fused\""
+            ) from err
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(**moe, normalization="RMSNorm")
+    if backend == "local" and cp == 1:
+        return spec
+    from services.trainer import fused_attention
+    from services.trainer.context_parallel import ContextParallelAttention, with_core_attention
+
+    if cp > 1:
+        return with_core_attention(spec, ContextParallelAttention if backend == "local"
+                                   else fused_attention.FusedContextParallelAttention)
+    return with_core_attention(spec, fused_attention.FusedAttention)
+
+
 def build_gpt_model(
     shape: ModelShape, *, dtype: str = "float32", num_layers_per_stage: list[int] | None = None,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, attention: str = "fused",
+    recompute: dict[str, Any] | None = None,
 ) -> Any:
     """This rank's megatron GPTModel for `shape`, in the layout `init_parallel` set up (and
-    `num_layers_per_stage`, parallel.num_layers_per_stage)."""
+    `num_layers_per_stage`, parallel.num_layers_per_stage), with the `attention` backend's
+    layer spec and megatron's `recompute` settings."""
     if shape.is_mla:
         from services.trainer.model_mla import build_mla_model
 
@@ -218,23 +259,13 @@ def build_gpt_model(
             sequence_parallel=sequence_parallel,
         )
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(
         shape, **parallel_sizes(), dtype=dtype, num_layers_per_stage=num_layers_per_stage,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, recompute=recompute,
     )  # fmt: skip
-    spec = get_gpt_layer_local_spec(
-        num_experts=shape.num_experts or None,
-        moe_grouped_gemm=False,
-        qk_layernorm=shape.qk_norm,
-        normalization="RMSNorm",
-    )
-    if ps.get_context_parallel_world_size() > 1:
-        from services.trainer.context_parallel import use_context_parallel_attention
-
-        spec = use_context_parallel_attention(spec)
-    if config.tensor_model_parallel_size > 1:
+    spec = attention_spec(shape, attention, ps.get_context_parallel_world_size())
+    if config.tensor_model_parallel_size > 1 and attention != "te":
         from services.trainer.sequence_parallel import use_tp_norms
 
         spec = use_tp_norms(spec, config)

@@ -19,6 +19,35 @@ class ModelConfig(StrictModel):
         "bfloat16", description="parameter dtype of the megatron model"
     )
     seed: int = Field(1234, ge=0, description="seed of megatron's model-parallel RNG tracker")
+    attention_backend: Literal["fused", "local", "te"] = Field(
+        "fused",
+        description="core attention: fused (torch SDPA flash/cuDNN for padded rows, varlen"
+        " flash for packed ones; the math kernels on CPU), local (megatron's local spec,"
+        " [heads, S, S] scores in memory; no packed rows), te (TransformerEngine's spec; needs"
+        " transformer_engine importable)",
+    )
+    recompute_granularity: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="megatron activation recomputation: full (whole layers, see method and"
+        " num_layers), selective (the core attention only), none",
+    )
+    recompute_method: Literal["uniform", "block"] = Field(
+        "uniform",
+        description="full recompute: uniform (checkpoint every group of recompute_num_layers"
+        " layers) or block (recompute only the first recompute_num_layers of each stage)",
+    )
+    recompute_num_layers: int = Field(
+        1, ge=1, description="full recompute: layers per group (uniform) or per stage (block)"
+    )
+
+    def recompute(self) -> dict[str, object] | None:
+        """megatron TransformerConfig's recompute_* fields for these settings (None: off)."""
+        if self.recompute_granularity == "none":
+            return None
+        if self.recompute_granularity == "selective":
+            return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+        return {"recompute_granularity": "full", "recompute_method": self.recompute_method,
+                "recompute_num_layers": self.recompute_num_layers}  # fmt: skip
 
 
 class ParallelConfig(StrictModel):

@@ -13,7 +13,9 @@ third) are mapped, so peak optimizer-state memory is about two buckets (plus one
 bucket) whatever the model size. With a `MemoryBucketStore` the same code keeps every bucket
 in RAM: the in-memory optimizer the disk one is compared against.
 
-The arithmetic is torch.optim.Adam/AdamW's single-tensor path operation for operation, so
+By default the state lives on the parameters' device (the GPU), and there each bucket is
+updated with one kernel per Adam operation (`fused`); disk-streamed buckets pass through that
+device. The arithmetic is torch.optim.Adam/AdamW's single-tensor path operation for operation, so
 with fp32 moments the result equals torch's, and megatron-core's DistributedOptimizer's
 (which wraps torch's AdamW on CPU), bit for bit; the tests check both. With a `StateShard`
 (optimizer_shard.py) a data-parallel replica keeps and updates only the buckets it owns and
@@ -127,22 +129,24 @@ def _write_from(path: Path, buf: Tensor) -> None:
 
 
 class MemoryBucketStore(BucketStore):
-    """Every bucket in RAM: the in-memory optimizer."""
+    """Every bucket in memory on `device` (host RAM, or the GPU): the in-memory optimizer."""
 
-    def __init__(self, bucket_nbytes: list[int]) -> None:
+    def __init__(self, bucket_nbytes: list[int], device: torch.device | None = None) -> None:
         super().__init__(bucket_nbytes)
-        self._buckets = [torch.zeros(n, dtype=torch.uint8) for n in bucket_nbytes]
+        self._buckets = [torch.zeros(n, dtype=torch.uint8, device=device) for n in bucket_nbytes]
 
     def buffers(self) -> Iterator[Tensor]:
         yield from self._buckets
 
     def save(self, directory: Path) -> None:
         for index, buf in enumerate(self._buckets):
-            _write_from(_bucket_file(directory, index), buf)
+            _write_from(_bucket_file(directory, index), buf.cpu())
 
     def load(self, directory: Path) -> None:
         for index, buf in enumerate(self._buckets):
-            _read_into(_bucket_file(directory, index), buf)
+            host = torch.empty_like(buf, device="cpu")
+            _read_into(_bucket_file(directory, index), host)
+            buf.copy_(host)
 
 
 class DiskBucketStore(BucketStore):
@@ -207,6 +211,11 @@ class MasterAdam:
 
     `no_decay[i]` exempts parameter i from weight decay (see `megatron_no_decay`). With a
     `shard`, only the buckets this replica owns have state here (see optimizer_shard.py).
+    The state lives and is updated on `device` (None: the parameters' device, i.e. the GPU
+    of a GPU trainer; the CPU keeps it in host RAM); disk-streamed buckets are copied to that
+    device for their update and back. `fused` updates a whole bucket with one kernel per Adam
+    operation when every slice in it has a gradient and the same step count (None: on CUDA);
+    the per-slice path is torch's single-tensor Adam element for element.
     """
 
     def __init__(
@@ -222,6 +231,8 @@ class MasterAdam:
         moments_dtype: torch.dtype = torch.float32,
         no_decay: list[bool] | None = None,
         shard: StateShard | None = None,
+        device: torch.device | None = None,
+        fused: bool | None = None,
     ) -> None:
         if moments_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"moments_dtype must be float32 or bfloat16, not {moments_dtype}")
@@ -239,11 +250,16 @@ class MasterAdam:
         self.shard = shard
         self.owned = [b for b in self.buckets if shard is None or shard.owns(b.index)]
         nbytes = [b.numel * (4 + 2 * self._moment_size) for b in self.owned]
+        default = self.params[0].device if self.params else torch.device("cpu")
+        self.device = torch.device(device) if device is not None else default
+        self.fused = self.device.type == "cuda" if fused is None else fused
         if state_dir is None:
-            self.store: BucketStore = MemoryBucketStore(nbytes)
+            self.store: BucketStore = MemoryBucketStore(nbytes, self.device)
         else:
             self.store = DiskBucketStore(nbytes, Path(state_dir))
-        self._grad = torch.empty(max((b.numel for b in self.owned), default=0))
+        largest = max((b.numel for b in self.owned), default=0)
+        self._grad = torch.empty(largest, device=self.device)
+        self._staging: Tensor | None = None  # a disk bucket's copy on a non-CPU device
         self._init_master()
 
     def _views(self, bucket: Bucket, buf: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -271,11 +287,27 @@ class MasterAdam:
     def step(self) -> None:
         """One Adam step over every parameter that has a gradient, bucket by bucket."""
         for bucket, buf in zip(self.owned, self.store.buffers(), strict=True):
-            self._update_bucket(bucket, buf)
+            if buf.device == self.device:
+                self._update_bucket(bucket, buf)
+                continue
+            # A bucket from disk: through the device and back (the I/O thread meanwhile
+            # maps and faults in the next one).
+            if self._staging is None:
+                largest = max(self.store.bucket_nbytes)
+                self._staging = torch.empty(largest, dtype=torch.uint8, device=self.device)
+            staged = self._staging[: buf.numel()]
+            staged.copy_(buf)
+            self._update_bucket(bucket, staged)
+            buf.copy_(staged)
         if self.shard is not None:
             self.shard.share(self.buckets, self._param_slice)
 
     def _update_bucket(self, bucket: Bucket, buf: Tensor) -> None:
+        grads = [self.params[s.param_index].grad for s in bucket.slices]
+        steps = {s.step for s in bucket.slices}
+        if self.fused and len(steps) == 1 and all(g is not None for g in grads):
+            self._update_whole_bucket(bucket, buf)
+            return
         master, m_store, v_store = self._views(bucket, buf)
         grad_buf = self._grad[: bucket.numel]
         lowp = self.moments_dtype != torch.float32
@@ -306,6 +338,38 @@ class MasterAdam:
                 m_store[sl].copy_(exp_avg)
                 v_store[sl].copy_(exp_avg_sq)
             self._param_slice(s).copy_(param)
+
+    def _update_whole_bucket(self, bucket: Bucket, buf: Tensor) -> None:
+        """`_update_bucket`'s arithmetic over the whole bucket at once (one kernel per Adam
+        operation instead of one per slice); the same values element for element."""
+        master, m_store, v_store = self._views(bucket, buf)
+        grad = self._grad[: bucket.numel]
+        lowp = self.moments_dtype != torch.float32
+        beta1, beta2 = self.betas
+        for s in bucket.slices:
+            sl = slice(s.offset, s.offset + s.numel)
+            grad_param = self.params[s.param_index].grad
+            assert grad_param is not None  # checked by _update_bucket
+            grad[sl].copy_(grad_param.view(-1)[s.start : s.start + s.numel])
+            s.step += 1
+            if self.weight_decay != 0 and not self.no_decay[s.param_index]:
+                if self.decoupled:
+                    master[sl].mul_(1 - self.lr * self.weight_decay)
+                else:
+                    grad[sl].add_(master[sl], alpha=self.weight_decay)
+        step = float(bucket.slices[0].step)
+        exp_avg = m_store.float() if lowp else m_store
+        exp_avg_sq = v_store.float() if lowp else v_store
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = self.lr / (1 - beta1**step)
+        denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(self.eps)
+        master.addcdiv_(exp_avg, denom, value=-step_size)
+        if lowp:
+            m_store.copy_(exp_avg)
+            v_store.copy_(exp_avg_sq)
+        for s in bucket.slices:
+            self._param_slice(s).copy_(master[s.offset : s.offset + s.numel])
 
     def state_nbytes(self) -> int:
         """Bytes of optimizer state (master + moments) this rank holds."""

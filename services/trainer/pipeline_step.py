@@ -1,7 +1,8 @@
 """One trainer step under pipeline parallelism: step.py's contract through megatron's 1F1B.
 
 Same inputs, outputs and loss as `step.train_step`: the "old" log-probs are anchored without
-grad at the start of the step (a forward-only pipeline pass), the batch is split into
+grad at the start of the step (a forward-only pipeline pass; with one minibatch, the detached
+log-probs of the training forward), the batch is split into
 `num_minibatches` optimizer updates, and each micro-batch loss is weighted by its share of
 the minibatch's loss tokens; with data parallelism each pipeline trains its DataShard's
 micro-batches (in lockstep under EP, loss-free ones included). The policy's optimizer step
@@ -35,7 +36,14 @@ from services.trainer.logprobs import stage_forward, stage_logprobs
 from services.trainer.loss import LossSettings, policy_loss
 from services.trainer.model_config import ParallelConfig
 from services.trainer.policy import LogprobSource, Policy
-from services.trainer.step import DataShard, add_weighted, plan_step, step_metrics
+from services.trainer.step import (
+    DataShard,
+    add_weighted,
+    anchors_from_training_forward,
+    plan_step,
+    settle,
+    step_metrics,
+)
 from services.trainer.step import train_step as one_stage_train_step
 
 #: What the last stage does with one micro-batch's whole-row log-probs [B, S] (megatron's
@@ -56,11 +64,12 @@ def _megatron_model(source: object) -> Any:
 
 
 def run_schedule(
-    model: Any, micro_batches: list[MicroBatch], on_logprobs: OnLogprobs, forward_only: bool
+    model: Any, micro_batches: list[MicroBatch], on_logprobs: OnLogprobs, forward_only: bool,
+    temperature: float = 1.0,
 ) -> list[Any]:
     """Run megatron's pipeline schedule over `micro_batches` (every stage calls it with the
     same list; under CP each runs its chunks of the rows); the last stage returns what
-    `on_logprobs` gave for each, the others []."""
+    `on_logprobs` gave for each (log-probs at the sampling `temperature`), the others []."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
@@ -70,10 +79,11 @@ def run_schedule(
 
     def forward_step(data: Any, stage_model: Any) -> tuple[Tensor, Any]:
         mb = next(data)
-        output, rows = stage_forward(stage_model, mb.input_ids)
+        output, rows = stage_forward(stage_model, mb.input_ids, mb.cu_seqlens)
 
         def loss_func(logits: Tensor, non_loss_data: bool = False) -> Any:
-            return on_logprobs(mb, stage_logprobs(logits, mb.input_ids, rows))
+            logprobs = stage_logprobs(logits, mb.input_ids, rows, temperature, mb.cu_seqlens)
+            return on_logprobs(mb, logprobs)
 
         return output, loss_func
 
@@ -91,7 +101,9 @@ def run_schedule(
     return list(out)
 
 
-def pipelined_logprobs(model: Any, micro_batches: list[MicroBatch]) -> dict[int, Tensor]:
+def pipelined_logprobs(
+    model: Any, micro_batches: list[MicroBatch], temperature: float = 1.0
+) -> dict[int, Tensor]:
     """Log-probs of each micro-batch without grad, keyed by id(micro-batch); empty before
     the last stage."""
     if not micro_batches:
@@ -99,7 +111,7 @@ def pipelined_logprobs(model: Any, micro_batches: list[MicroBatch]) -> dict[int,
     with torch.no_grad():
         out = run_schedule(
             model, micro_batches,
-            lambda mb, logprobs: logprobs, forward_only=True,
+            lambda mb, logprobs: logprobs, forward_only=True, temperature=temperature,
         )  # fmt: skip
     return {id(mb): lp.detach() for mb, lp in zip(micro_batches, out, strict=True)} if out else {}
 
@@ -127,30 +139,35 @@ def train_step(
 ) -> dict[str, float]:
     """`step.train_step` across pipeline stages; every rank returns the same metrics."""
     model = _megatron_model(policy)
+    temperature = float(getattr(policy, "temperature", 1.0))
     plan = plan_step(batch, num_minibatches, shard)
     mine = [mb for _, todo in plan for mb in todo]
-    old = pipelined_logprobs(model, mine)
-    ref = pipelined_logprobs(_megatron_model(reference), mine) if reference is not None else {}
-    sums: dict[str, float] = {}
+    single = anchors_from_training_forward(plan)
+    old = {} if single else pipelined_logprobs(model, mine, temperature)
+    ref = (pipelined_logprobs(_megatron_model(reference), mine, temperature)
+           if reference is not None else {})  # fmt: skip
+    sums: dict[str, Any] = {}
 
     def weighted_loss(mb: MicroBatch, logprobs: Tensor, tokens: int) -> Any:
         n = mb.num_loss_tokens
         loss, metrics = policy_loss(
-            logprobs, old[id(mb)], mb.rollout_logprobs,
+            logprobs, logprobs.detach() if single else old[id(mb)], mb.rollout_logprobs,
             mb.advantages, mb.loss_mask, settings, ref.get(id(mb)),
         )  # fmt: skip
         metrics["loss"] = loss.detach()
         add_weighted(sums, metrics, n)
         return loss * (n / tokens), torch.tensor(n, dtype=torch.int), {}
 
-    step_sums: dict[str, float] = {}
+    step_sums: dict[str, Any] = {}
     for tokens, todo in plan:
         if todo:
-            run_schedule(model, todo, partial(weighted_loss, tokens=tokens), forward_only=False)
+            run_schedule(model, todo, partial(weighted_loss, tokens=tokens), forward_only=False,
+                         temperature=temperature)
         add_weighted(step_sums, policy.step(), tokens)  # the same on every rank
+    sums = settle(sums)
     if shard is not None:
         sums = shard.sum(sums)
-    return step_metrics(_to_every_stage(sums), step_sums, plan)
+    return step_metrics(_to_every_stage(sums), settle(step_sums), plan)
 
 
 def train_step_for(parallel: ParallelConfig) -> TrainStepFn:

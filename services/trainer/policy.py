@@ -19,7 +19,8 @@ from services.trainer.batch import MicroBatch
 from services.trainer.optimizer_shard import CombinedOptimizer
 from services.trainer.optimizer_stream import MasterAdam
 
-LogprobFn = Callable[[Any, Tensor], Tensor]
+#: (model, input_ids) -> per-token log-probs; called with `cu_seqlens=` for packed rows.
+LogprobFn = Callable[..., Tensor]
 #: Clips the gradients of the given params to a max norm in place; returns the norm before.
 ClipFn = Callable[[list[Tensor], float], float]
 #: Makes the gradients of the given params complete across ranks (data-parallel all-reduce).
@@ -64,6 +65,15 @@ def causal_lm_logprobs(model: Any, input_ids: Tensor) -> Tensor:
     return out
 
 
+def logprob_keywords(batch: MicroBatch, temperature: float) -> dict[str, Any]:
+    """The log-prob function's keywords: a packed micro-batch's boundaries and a sampling
+    temperature other than 1 (functions for padded rows at T = 1 need neither)."""
+    out: dict[str, Any] = {} if batch.cu_seqlens is None else {"cu_seqlens": batch.cu_seqlens}
+    if temperature != 1.0:
+        out["temperature"] = temperature
+    return out
+
+
 def _clip_local(params: list[Tensor], max_norm: float) -> float:
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
@@ -71,13 +81,19 @@ def _clip_local(params: list[Tensor], max_norm: float) -> float:
 class FrozenModel:
     """A model scored without gradients, e.g. the reference of the KL term."""
 
-    def __init__(self, model: torch.nn.Module, logprob_fn: LogprobFn = causal_lm_logprobs) -> None:
+    def __init__(
+        self, model: torch.nn.Module, logprob_fn: LogprobFn = causal_lm_logprobs,
+        temperature: float = 1.0,
+    ) -> None:
         self.model = model.requires_grad_(False)
         self.logprob_fn = logprob_fn
+        self.temperature = temperature  # the engines' sampling temperature
 
     def logprobs(self, batch: MicroBatch) -> Tensor:
         with torch.no_grad():
-            return self.logprob_fn(self.model, batch.input_ids)
+            return self.logprob_fn(
+                self.model, batch.input_ids, **logprob_keywords(batch, self.temperature)
+            )
 
 
 class ModelPolicy:
@@ -91,8 +107,10 @@ class ModelPolicy:
         max_grad_norm: float | None = 1.0,
         clip_fn: ClipFn | None = None,
         grad_sync: GradSyncFn | None = None,
+        temperature: float = 1.0,
     ) -> None:
         self.model = model
+        self.temperature = temperature  # the engines' sampling temperature
         self.optimizer = optimizer
         self.logprob_fn = logprob_fn
         self.max_grad_norm = max_grad_norm
@@ -100,7 +118,9 @@ class ModelPolicy:
         self.grad_sync = grad_sync
 
     def logprobs(self, batch: MicroBatch) -> Tensor:
-        return self.logprob_fn(self.model, batch.input_ids)
+        return self.logprob_fn(
+            self.model, batch.input_ids, **logprob_keywords(batch, self.temperature)
+        )
 
     def backward(self, loss: Tensor) -> None:
         loss.backward()

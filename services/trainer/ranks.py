@@ -115,6 +115,7 @@ class RankedPolicy:
         self.inner = inner
         self.channel = channel
         self.model = inner.model
+        self.temperature = inner.temperature
         self.logprobs = inner.logprobs
         self.backward = inner.backward
         self.step = inner.step

@@ -2,13 +2,16 @@
 
 At the start of the step the policy's log-probs of every micro-batch are taken without grad
 (the "old" policy of the PPO ratio and the numerator of the TIS weight against the engine's
-rollout log-probs). The batch is then split into `num_minibatches` optimizer updates; within
-one, micro-batch losses are weighted by their share of loss tokens, so the gradient is that
-of the token mean over the whole minibatch. With data parallelism every rank gets the whole
-batch and trains every `size`-th micro-batch of each minibatch (the policy sums the gradients
-over the DP group before its optimizer step); the metrics are summed over the group. With
-expert parallelism the ranks run in lockstep (lockstep.py): as many micro-batches each, of
-equal shapes, padded with loss-free rows and dummies, including those without loss tokens.
+rollout log-probs); with a single optimizer update the weights do not move before every
+micro-batch's training forward, so the old log-probs are that forward's, detached, and no
+extra forward runs (`anchors_from_training_forward`). The batch is then split into
+`num_minibatches` optimizer updates; within one, micro-batch losses are weighted by their
+share of loss tokens, so the gradient is that of the token mean over the whole minibatch.
+With data parallelism every rank gets the whole batch and trains every `size`-th
+micro-batch of each minibatch (the policy sums the gradients over the DP group before its
+optimizer step); the metrics are summed over the group. With expert parallelism the ranks
+run in lockstep (lockstep.py): as many micro-batches each, of equal shapes, padded with
+loss-free rows and dummies, including those without loss tokens.
 Called by loop.py and worker.py.
 """
 
@@ -80,11 +83,19 @@ def plan_step(
     return plan
 
 
-def add_weighted(sums: dict[str, float], metrics: dict[str, Any], weight: float) -> None:
-    """Accumulate `metrics` (tensors or floats) times `weight` into `sums`."""
+def add_weighted(sums: dict[str, Any], metrics: dict[str, Any], weight: float) -> None:
+    """Accumulate `metrics` (tensors or floats) times `weight` into `sums`; tensors stay on
+    their device in float64 (the arithmetic of Python floats) until `settle`, so the step
+    never waits for the GPU between micro-batches."""
     for key, value in metrics.items():
         if key != "num_loss_tokens":
-            sums[key] = sums.get(key, 0.0) + float(value) * weight
+            term = value.detach().double() * weight if torch.is_tensor(value) else value * weight
+            sums[key] = sums.get(key, 0.0) + term
+
+
+def settle(sums: dict[str, Any]) -> dict[str, float]:
+    """`add_weighted`'s sums as Python floats."""
+    return {key: float(value) for key, value in sums.items()}
 
 
 def step_metrics(
@@ -98,6 +109,12 @@ def step_metrics(
     return out
 
 
+def anchors_from_training_forward(plan: StepPlan) -> bool:
+    """Whether the "old" log-probs are the detached ones of the training forward: one
+    optimizer update, so no micro-batch is scored after the weights move."""
+    return len(plan) == 1
+
+
 def train_step(
     policy: Policy,
     batch: RolloutBatch,
@@ -109,26 +126,29 @@ def train_step(
     """Run the optimizer updates of one rollout batch; returns token-weighted mean metrics."""
     plan = plan_step(batch, num_minibatches, shard)
     scheduled = [mb for _, part in plan for mb in part]
+    single = anchors_from_training_forward(plan)
     with torch.no_grad():
-        old = {id(mb): policy.logprobs(mb).detach() for mb in scheduled}
+        old = {} if single else {id(mb): policy.logprobs(mb).detach() for mb in scheduled}
         ref = (
             {id(mb): reference.logprobs(mb).detach() for mb in scheduled}
             if reference is not None
             else {}
         )
-    sums: dict[str, float] = {}
-    step_sums: dict[str, float] = {}
+    sums: dict[str, Any] = {}
+    step_sums: dict[str, Any] = {}
     for tokens, part in plan:
         for mb in part:
             n = mb.num_loss_tokens
+            logprobs = policy.logprobs(mb)
             loss, metrics = policy_loss(
-                policy.logprobs(mb), old[id(mb)], mb.rollout_logprobs, mb.advantages,
-                mb.loss_mask, settings, ref.get(id(mb)),
+                logprobs, logprobs.detach() if single else old[id(mb)], mb.rollout_logprobs,
+                mb.advantages, mb.loss_mask, settings, ref.get(id(mb)),
             )  # fmt: skip
             policy.backward(loss * (n / tokens))
             metrics["loss"] = loss.detach()
             add_weighted(sums, metrics, n)
         add_weighted(step_sums, policy.step(), tokens)  # the same on every rank
+    sums = settle(sums)
     if shard is not None:
         sums = shard.sum(sums)
-    return step_metrics(sums, step_sums, plan)
+    return step_metrics(sums, settle(step_sums), plan)

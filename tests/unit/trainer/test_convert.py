@@ -12,7 +12,7 @@ from services.common.ports import free_port
 from services.testing.hf_models import random_hf_model, reference_logprobs
 from services.trainer import weight_map
 from services.trainer.convert import iter_hf_buckets, iter_hf_tensors, load_hf_weights, merge, shard
-from services.trainer.logprobs import forward_logits, packed_token_logprobs, token_logprobs
+from services.trainer.logprobs import forward_logits, token_logprobs
 from services.trainer.model import ModelShape, build_gpt_model
 from services.trainer.model_config import ParallelConfig
 from services.trainer.parallel import init_parallel, teardown_parallel
@@ -114,17 +114,24 @@ def test_fc1_shards_hold_gate_and_up_halves() -> None:
     assert torch.equal(shard(rule, full, 1, 2), torch.cat([gate[2:], up[2:]]))
 
 
-def test_packed_logprobs_equal_padded() -> None:
+def test_packed_logprobs_and_grads_equal_padded() -> None:
+    """One THD row of three sequences (fused attention's document mask, per-sequence RoPE)
+    gives each sequence's own log-probs and the same gradients as the rows run one by one."""
     _, model, _ = _converted("llama")
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (5, 11, 3)]
-    packed = torch.cat(seqs)
+    weights = torch.randn(19, generator=gen)
     cu = [0, 5, 16, 19]
-    with torch.no_grad():
-        got = packed_token_logprobs(model, packed, cu)
-        want = torch.cat([token_logprobs(model, s[None])[0] for s in seqs])
+    got = token_logprobs(model, torch.cat(seqs)[None], cu_seqlens=cu)[0]
+    (got * weights).sum().backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    want = torch.cat([token_logprobs(model, s[None])[0] for s in seqs])
+    (want * weights).sum().backward()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert got[0] == 0 and got[5] == 0 and got[16] == 0
+    for p, packed in zip(model.parameters(), packed_grads, strict=True):
+        torch.testing.assert_close(packed, p.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_logprobs_carry_gradients() -> None:

@@ -1,0 +1,357 @@
+"""The trainer's whole step on one GPU against transformers (sdpa) + AdamW on the same tokens.
+
+For Qwen2-0.5B- and Qwen2-1.5B-shaped models (random weights, bf16, TP 1), each case is one
+training step over the same token rows for both sides:
+
+- `row2048`, `row8192`, `row32768`: 65,536 tokens a step, rows of 2,048 / 8,192 / 32,768
+  tokens (micro-batches of 16,384 tokens, or one row each when longer); 32,768-token rows
+  run with activation recomputation on both sides (megatron full/uniform/1 layer; HF
+  gradient checkpointing);
+- `packed`: 16 sequences of 4,096 tokens; the trainer packs them (THD, cu_seqlens) into
+  micro-batches of 16,384 tokens, transformers runs them as [4, 4096] micro-batches;
+- `mixed`: 16 sequences of 256..4,096 tokens (seeded): the trainer packs them as above,
+  transformers gets right-padded rows, 4 a micro-batch, longest first (padding computed).
+
+The trainer side is its own path: `build_gpt_model` (fused attention) -> `MasterAdam` on the
+GPU -> `step.train_step` (clipped PG loss, chunked log-probs, one minibatch). The baseline:
+`AutoModelForCausalLM.from_config(attn_implementation="sdpa")` in bf16, per-token log-probs
+from log_softmax of the fp32 logits, the same `policy_loss`, grad clipping and
+`torch.optim.AdamW(fused=True)`. Each side runs in its own process (clean peak memory), one
+warm-up step then `--steps` timed steps; tokens/s counts real tokens over the median step.
+MFU = model FLOPs / step time / 989e12 (H100/H200 dense bf16 peak), model FLOPs = 6 * N_mm *
+tokens + 6 * L * heads * head_dim * sum(S_i^2) (N_mm: the matmul parameters of the layers
+and the output layer; the causal attention's fwd+bwd; recomputation not counted).
+The last line printed is the JSON summary.
+
+    python bench/trainer_gpu.py [--shapes 0.5b,1.5b] [--cases row2048,row8192,row32768,packed,mixed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAK_FLOPS = 989e12
+STEP_TOKENS = 65536
+MICRO_TOKENS = 16384
+SHAPES: dict[str, dict[str, Any]] = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+}
+CASES = ("row2048", "row8192", "row32768", "packed", "mixed")
+
+
+def _hf_config(shape: str) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                       rms_norm_eps=1e-6, **SHAPES[shape])  # fmt: skip
+
+
+def sequences(case: str) -> tuple[list[int], bool]:
+    """(sequence lengths, whether recomputation is on) of a case."""
+    import random
+
+    if case.startswith("row"):
+        length = int(case[3:])
+        return [length] * (STEP_TOKENS // length), length > 16384
+    if case == "packed":
+        return [4096] * 16, False
+    rng = random.Random(0)
+    return [rng.randint(256, 4096) for _ in range(16)], False
+
+
+def model_flops(shape: str, lengths: list[int]) -> float:
+    c = SHAPES[shape]
+    h, heads, kv, ffn = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
+                         c["intermediate_size"])  # fmt: skip
+    d = h // heads
+    layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * ffn
+    n_mm = c["num_hidden_layers"] * layer + h * 151936
+    attention = 6 * c["num_hidden_layers"] * heads * d * sum(s * s for s in lengths)
+    return 6.0 * n_mm * sum(lengths) + attention
+
+
+def _micro_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of the sequences in each micro-batch (longest first, <= MICRO_TOKENS each,
+    counted as padded width x rows, the same rule as the trainer's batch.py)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= MICRO_TOKENS:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _pack_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of the sequences in each packed micro-batch (longest first, <= MICRO_TOKENS
+    real tokens each, batch.py's packed rule)."""
+    groups: list[list[int]] = []
+    used = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and used + lengths[i] <= MICRO_TOKENS:
+            groups[-1].append(i)
+            used += lengths[i]
+        else:
+            groups.append([i])
+            used = lengths[i]
+    return groups
+
+
+def _tokens(lengths: list[int], vocab: int, device: Any) -> list[Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=gen).to(device) for n in lengths]
+
+
+def _timed_steps(step: Any, steps: int) -> tuple[list[float], float]:
+    import torch
+
+    step()  # warm-up (kernel selection, allocator)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times, torch.cuda.max_memory_allocated() / 2**30
+
+
+def _case_result(shape: str, case: str, times: list[float], peak: float) -> dict[str, Any]:
+    lengths, recompute = sequences(case)
+    median = statistics.median(times)
+    return {
+        "tokens": sum(lengths), "step_s": round(median, 4),
+        "tokens_per_s": round(sum(lengths) / median, 1),
+        "mfu": round(model_flops(shape, lengths) / median / PEAK_FLOPS, 4),
+        "peak_gib": round(peak, 2), "recompute": recompute,
+    }
+
+
+def _micro_batch(seqs: list[Any], packed: bool) -> Any:
+    import torch
+
+    from services.trainer.batch import MicroBatch
+
+    lengths = [len(s) for s in seqs]
+    if packed:
+        ids = torch.cat(seqs).unsqueeze(0)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+    else:
+        ids = torch.zeros((len(seqs), max(lengths)), dtype=torch.long, device=seqs[0].device)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s)] = s
+        cu = None
+    mask = (ids != -1).float()
+    if not packed:
+        for row, n in enumerate(lengths):
+            mask[row, n:] = 0
+    gen = torch.Generator(device=ids.device).manual_seed(1)
+    adv = torch.randn(ids.shape, generator=gen, device=ids.device)
+    return MicroBatch(ids, mask, torch.full(ids.shape, -3.0, device=ids.device), adv, lengths, cu)
+
+
+def run_trainer(shape: str, cases: list[str], steps: int) -> dict[str, Any]:
+    import torch
+
+    from services.trainer.batch import RolloutBatch
+    from services.trainer.logprobs import token_logprobs
+    from services.trainer.loss import LossSettings
+    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.model_config import ParallelConfig
+    from services.trainer.optimizer_stream import MasterAdam, megatron_no_decay
+    from services.trainer.parallel import init_parallel
+    from services.trainer.policy import ModelPolicy
+    from services.trainer.step import train_step
+
+    init_parallel(ParallelConfig(), rank=0, world_size=1, master_port=29611)
+    model_shape = ModelShape.from_hf(_hf_config(shape))
+    model = build_gpt_model(model_shape, dtype="bfloat16", attention="fused")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = MasterAdam([p for _, p in named], lr=1e-6, no_decay=megatron_no_decay(named))
+    policy = ModelPolicy(model, optimizer, token_logprobs, 1.0)
+    config = model.config
+    out: dict[str, Any] = {}
+    for case in cases:
+        lengths, recompute = sequences(case)
+        # the [trainer.model] recompute_* settings; megatron reads them at each forward
+        config.recompute_granularity = "full" if recompute else None
+        config.recompute_method = "uniform" if recompute else None
+        config.recompute_num_layers = 1 if recompute else None
+        seqs = _tokens(lengths, model_shape.vocab_size, torch.device("cuda"))
+        packed = case in ("packed", "mixed")
+        groups = _pack_groups(lengths) if packed else _micro_groups(lengths)
+        micro = [_micro_batch([seqs[i] for i in g], packed) for g in groups]
+        batch = RolloutBatch(micro, [], [], [])
+        try:
+            times, peak = _timed_steps(lambda b=batch: train_step(policy, b, LossSettings()),
+                                       steps)  # fmt: skip
+            out[case] = _case_result(shape, case, times, peak) | {"micro_batches": len(micro)}
+        except torch.OutOfMemoryError as err:
+            out[case] = {"error": f"out of memory: {str(err)[:120]}"}
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_hf(shape: str, cases: list[str], steps: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer.loss import LossSettings, policy_loss
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        _hf_config(shape), attn_implementation="sdpa", dtype=torch.bfloat16
+    ).cuda()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    out: dict[str, Any] = {}
+    for case in cases:
+        lengths, recompute = sequences(case)
+        if recompute:
+            model.gradient_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_disable()
+        seqs = _tokens(lengths, 151936, torch.device("cuda"))
+        micro = [_micro_batch([seqs[i] for i in g], False) for g in _micro_groups(lengths)]
+        total = sum(int(mb.loss_mask.sum()) for mb in micro)
+
+        def step(micro: list[Any] = micro, total: int = total) -> None:
+            for mb in micro:
+                logits = model(input_ids=mb.input_ids).logits
+                logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+                lp = torch.zeros(mb.input_ids.shape, device=logits.device)
+                lp[:, 1:] = logp.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+                del logits, logp
+                loss, _ = policy_loss(lp, lp.detach(), mb.rollout_logprobs, mb.advantages,
+                                      mb.loss_mask, LossSettings())  # fmt: skip
+                (loss * (mb.num_loss_tokens / total)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        try:
+            times, peak = _timed_steps(step, steps)
+            out[case] = _case_result(shape, case, times, peak) | {"micro_batches": len(micro)}
+        except torch.OutOfMemoryError as err:
+            out[case] = {"error": f"out of memory: {str(err)[:120]}"}
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    return out
+
+
+def optimizer_check() -> dict[str, Any]:
+    """The device-resident MasterAdam against the host-resident one, 3 steps, on the GPU."""
+    import torch
+
+    from services.trainer.optimizer_stream import MasterAdam
+
+    torch.manual_seed(0)
+    base = [torch.randn(n, dtype=torch.bfloat16) for n in (4097, 333, 70000)]
+    gpu = [p.cuda().requires_grad_() for p in base]
+    cpu_side = [p.cuda().requires_grad_() for p in base]
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "bucket_mb": 0.1}
+    dev_opt = MasterAdam(gpu, **kw)  # type: ignore[arg-type]
+    host_opt = MasterAdam(cpu_side, device=torch.device("cpu"), **kw)  # type: ignore[arg-type]
+    diffs = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        for a, b in zip(gpu, cpu_side, strict=True):
+            g = torch.randn(a.shape, generator=gen).to(torch.bfloat16).cuda()
+            a.grad, b.grad = g.clone(), g.clone()
+        dev_opt.step()
+        host_opt.step()
+        diffs.append(max(float((a.float() - b.float()).abs().max())
+                         for a, b in zip(gpu, cpu_side, strict=True)))  # fmt: skip
+    return {"device_vs_host_max_abs_diff_per_step": diffs, "fused": dev_opt.fused,
+            "state_device": str(dev_opt.device)}
+
+
+def logprob_kernel_check() -> dict[str, Any]:
+    """The triton log-prob kernels against chunked_logprobs.py's torch chunks, bf16 logits of
+    a 151,936 vocabulary at T = 0.8 (forward and gradient max abs differences)."""
+    import torch
+
+    from services.trainer import chunked_logprobs, logprob_kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (3 * torch.randn(3000, 151936, device="cuda", generator=gen)).bfloat16()
+    targets = torch.randint(0, 151936, (3000,), device="cuda", generator=gen)
+    grad = torch.randn(3000, device="cuda", generator=gen)
+    lse, picked = logprob_kernels.row_lse_and_target(logits, targets, 0.8)
+    ref_lse, ref_picked = chunked_logprobs._torch_lse_and_target(logits, targets, 0.8, 512)
+    ours = logprob_kernels.row_grad(logits, targets, lse, grad, 0.8)
+    ref = chunked_logprobs._torch_grad(logits, targets, ref_lse, grad, 0.8, 512)
+    return {"logprob_max_abs_diff": float(((picked - lse) - (ref_picked - ref_lse)).abs().max()),
+            "grad_max_abs_diff": float((ours.float() - ref.float()).abs().max()),
+            "grad_max_abs": float(ref.float().abs().max())}  # fmt: skip
+
+
+def child(args: argparse.Namespace) -> None:
+    cases = args.cases.split(",")
+    fn = run_trainer if args.child == "trainer" else run_hf
+    print(json.dumps(fn(args.shape, cases, args.steps)), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="0.5b,1.5b")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--child", choices=["trainer", "hf"])
+    parser.add_argument("--shape", default="0.5b")
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    import torch
+
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "mfu_formula": "(6*N_mm*tokens + 6*L*heads*head_dim*sum(S^2))"
+                               f" / step_s / {PEAK_FLOPS:.0f}", "shapes": {}}  # fmt: skip
+    results["optimizer_check"] = optimizer_check()
+    results["logprob_kernel_check"] = logprob_kernel_check()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for shape in args.shapes.split(","):
+        sides = {}
+        for side in ("trainer", "hf"):
+            cmd = [sys.executable, __file__, "--child", side, "--shape", shape,
+                   "--cases", args.cases, "--steps", str(args.steps)]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            lines = proc.stdout.strip().splitlines()
+            if proc.returncode or not lines:
+                sys.stderr.write(proc.stderr[-4000:])
+                sides[side] = {"error": f"exit {proc.returncode}: {proc.stderr[-300:]}"}
+            else:
+                sides[side] = json.loads(lines[-1])
+            print(shape, side, json.dumps(sides[side]), flush=True)
+        ratios = {}
+        for case in args.cases.split(","):
+            ours, theirs = sides["trainer"].get(case, {}), sides["hf"].get(case, {})
+            if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+                ratios[case] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
+            else:
+                ratios[case] = None
+        results["shapes"][shape] = {**sides, "speedup": ratios}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
