@@ -7,6 +7,10 @@ with the router again only after the next weight update has brought it to the cu
 version (weight_update.py re-forms the group then, because the restarted engine has not
 joined it). Calls engines through EngineClient and the router through a RouterLink; the
 rollout service owns the fleet and the coordinator uses it.
+
+The router is checked every health interval: engines it does not hold (it restarted, or was
+not up when they were) are registered again, and its weight version is set again, so a
+restarted router needs no restart of the rollout service. Registration never fails start-up.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class EngineFleet:
         self.lock = asyncio.Lock()   # held by a weight update; restarts wait for it
         self._supervisor: asyncio.Task[None] | None = None
         self._restarting: set[asyncio.Task[None]] = set()
+        self.router_reregistrations = 0
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -122,7 +127,11 @@ class EngineFleet:
                 (await self.client.server_info(member.url)).get("tp_size", 1))
         member.error = None
         if self.current_version == self.initial_version:
-            await self._register(member)
+            member.state, member.weight_version = "ready", self.current_version
+            try:
+                await self._register(member, attempts=3)
+            except Unavailable as exc:  # the router is not up yet: the supervisor registers it
+                log.warning("router not reachable for %s yet: %s", member.url, exc)
         else:
             member.state = "awaiting_weights"
             log.info("engine %s is up with initial weights; waits for the next update",
@@ -157,6 +166,47 @@ class EngineFleet:
                     task.add_done_callback(self._restarting.discard)
             await asyncio.gather(*(self._poll(m) for m in self.members if m.state != "dead"),
                                  return_exceptions=True)
+            if not self.lock.locked():  # a weight update registers its engines itself
+                try:
+                    await self.reconcile_router()
+                except Unavailable as exc:
+                    log.debug("router check: %s", exc)
+
+    async def reconcile_router(self) -> int:
+        """Register again every ready engine the router does not hold (a restarted router
+        comes back empty) and restore its weight version; returns how many were registered."""
+        view = await self.router.view()
+        if view is None:
+            return 0
+        if view.weight_version is not None and view.weight_version != self.current_version \
+                or view.weight_version is None and self.current_version != self.initial_version:
+            await self.router.set_weight_version(self.current_version)
+        missing = [m for m in self.members if m.state == "ready"
+                   and (not m.registered or m.url not in view.engine_urls)]
+        for member in missing:
+            log.warning("router does not hold engine %s: registering it again", member.url)
+            member.registered = False
+            await self._register(member, attempts=1)
+            self.router_reregistrations += 1
+        return len(missing)
+
+    def abandon(self, members: list[EngineMember]) -> None:
+        """An update was abandoned after weights moved: these engines hold mixed weights.
+        They leave the router (the caller deregisters) and wait for the next full update."""
+        for member in members:
+            member.in_group = False
+            if member.state == "ready":
+                member.state = "awaiting_weights"
+
+    def can_generate(self) -> bool:
+        """Whether some engine holds the current weights (or the fleet is still starting)."""
+        return not self.members or any(m.state == "ready" for m in self.members)
+
+    @property
+    def needs_weights(self) -> bool:
+        """Some engine is up but lacks the current weights (restarted, or an update was
+        abandoned): the trainer should push them even if it has no step to take."""
+        return any(m.state == "awaiting_weights" for m in self.members)
 
     async def _poll(self, member: EngineMember) -> None:
         try:

@@ -6,7 +6,9 @@ empty (never polling), and records that blocked time as the batch's `wait_s` (bu
 It never acknowledges what it trains: loop.py acks entries once the checkpoint covering them
 is durable. After a restart, `recover()` acks what the last checkpoint covers and re-reads
 every other pending entry (XAUTOCLAIM) ahead of new ones, so no group is skipped and none is
-trained twice.
+trained twice. A `reject` callable may leave a group out of the batch with a reason (too
+stale); such entries are handed back by `take_rejected` for the loop to record and ack with
+its next checkpoint.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class GroupStream:
         self.block_ms = block_ms
         self.pad_id = pad_id
         self._backlog: deque[tuple[str, Group]] = deque()
+        self._rejected: list[tuple[str, str, str]] = []
         self.total_wait_s = 0.0
 
     def recover(self, covered_entry_ids: Iterable[str], trained_group_ids: set[str]) -> Recovery:
@@ -75,13 +78,24 @@ class GroupStream:
         """Acknowledge (and delete) entries whose training is durably checkpointed."""
         return self.buffer.ack(entry_ids)
 
+    def take_rejected(self) -> list[tuple[str, str, str]]:
+        """(entry_id, group_id, reason) of groups `reject` left out since the last call."""
+        out, self._rejected = self._rejected, []
+        return out
+
     def next_batch(
-        self, should_stop: Callable[[], bool], trained_group_ids: set[str]
+        self,
+        should_stop: Callable[[], bool],
+        trained_group_ids: set[str],
+        reject: Callable[[Group], str | None] | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ) -> RolloutBatch | None:
         """The next `rollout_batch_size` groups, packed; None when asked to stop first.
 
         Entries whose group id was already trained (a producer duplicate) are acked and left
-        out. Waits in blocking reads of at most `block_ms` so that a stop is seen promptly.
+        out; so are groups `reject` names a reason for (kept for `take_rejected`, not acked).
+        Waits in blocking reads of at most `block_ms` so that a stop is seen promptly, and
+        calls `while_waiting` between them.
         """
         entries: list[tuple[str, Group]] = []
         seen: set[str] = set()
@@ -93,6 +107,8 @@ class GroupStream:
                 if should_stop():
                     self._backlog.extendleft(reversed(entries))
                     return None
+                if while_waiting is not None:
+                    while_waiting()
                 start = time.monotonic()
                 fresh = self.buffer.read(
                     self.consumer, self.rollout_batch_size - len(entries), self.block_ms
@@ -102,6 +118,9 @@ class GroupStream:
             for entry_id, group in fresh:
                 if group.group_id in trained_group_ids or group.group_id in seen:
                     duplicates.append(entry_id)
+                elif reject is not None and (reason := reject(group)) is not None:
+                    self._rejected.append((entry_id, group.group_id, reason))
+                    seen.add(group.group_id)
                 else:
                     seen.add(group.group_id)
                     entries.append((entry_id, group))
