@@ -48,6 +48,7 @@ class EngineMember:
     registered: bool = False
     in_group: bool = False
     restarts: int = 0
+    missed_checks: int = 0
     weight_version: int | None = None
     load: list[dict[str, Any]] | None = None
     error: str | None = None
@@ -216,7 +217,17 @@ class EngineFleet:
             if member.proc is None and member.state in ("ready", "awaiting_weights"):
                 # an attached engine we cannot restart: it may come back without our weights
                 member.state, member.in_group = "unreachable", False
+            elif member.proc is not None and member.state != "starting" \
+                    and not self.lock.locked():  # mid-update an engine may be slow to answer
+                member.missed_checks += 1
+                if member.missed_checks >= self.config.max_missed_health_checks:
+                    log.warning("engine %s is alive but answered no health check %d times in "
+                                "a row: killing it (it is restarted)", member.url,
+                                member.missed_checks)
+                    member.missed_checks = 0
+                    await asyncio.to_thread(process.stop, member.proc, 1.0)
             return
+        member.missed_checks = 0
         if member.state == "unreachable":
             version = await self.client.weight_version(member.url)
             member.state = "ready" if version == str(self.current_version) else "awaiting_weights"
