@@ -228,7 +228,7 @@ class FaultStack:
         client = self.redis()
         prefix = f"riptide:{self.run}:group:"
         produced = {k.decode()[len(prefix):] for k in client.scan_iter(f"{prefix}*", count=1000)}
-        stream = client.xrange(f"riptide:{self.run}:samples")
+        stream: Any = client.xrange(f"riptide:{self.run}:samples")
         in_stream = {fields[b"group_id"].decode() for _, fields in stream}
         state = _newest_checkpoint_state(Path(self.config.trainer.checkpoint.dir))
         trained = state.get("trained_group_ids", [])
