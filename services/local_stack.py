@@ -273,9 +273,9 @@ def _announce_run(stack: LocalStack) -> int:
     """Say whether this is a fresh run or the resumption of one; returns the resumed step."""
     ckpt_dir = Path(stack.config.trainer.checkpoint.dir)
     step = checkpoint_step(ckpt_dir)
-    aof = stack.run_dir / "redis" / "appendonlydir"
+    saved = any((stack.run_dir / "redis" / n).exists() for n in ("appendonlydir", "appendonly.aof"))
     if step:
-        stream = "its stream" if aof.exists() else "no saved stream"
+        stream = "its stream" if saved else "no saved stream"
         print(f"[up] resuming the run in {stack.run_dir}: trainer checkpoint at step {step} "
               f"({ckpt_dir}), {stream} in {stack.run_dir / 'redis'}", flush=True)
     else:

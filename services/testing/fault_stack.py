@@ -29,7 +29,7 @@ import redis
 
 from services.common import process
 from services.common.config import dump_config
-from services.local_stack import ensure_tiny_model, local_config
+from services.local_stack import MAX_STALENESS, ensure_tiny_model, local_config
 from services.testing.proc_tree import descendants
 
 SERVICES = ("router", "sandbox", "trainer", "rollout")
@@ -60,12 +60,27 @@ class Audit:
         return out
 
 
+def fault_settings(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """The local stack's settings for fault runs: a hung engine is found within ~18 s, an
+    engine may restart often, and a step needs 4 episodes (groups of 2) instead of 8."""
+    return {"rollout": {
+        "fleet": {"kind": "builtin", "num_engines": 1, "model_path": str(run_dir / "model"),
+                  "log_dir": str(run_dir / "logs"), "start_timeout_s": 120.0,
+                  "health_interval_s": 1.0, "max_missed_health_checks": 3,
+                  "max_restarts": 1000},
+        "scheduler": {"max_concurrent_samples": 8, "n_samples_per_prompt": 2,
+                      "num_groups_per_batch": 2, "max_new_tokens": 32, "temperature": 1.0,
+                      "max_staleness": MAX_STALENESS},
+    }}
+
+
 class FaultStack:
     """The local stack as a child of this process, with fault injection."""
 
     def __init__(self, run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.chmod(0o755)  # sandboxes run bubblewrap (the wrapper) under their own uids
         ensure_tiny_model(run_dir)
         self.flag = run_dir / "fail-sandboxes"
         wrapper = run_dir / "bwrap-flaky"
@@ -74,11 +89,13 @@ class FaultStack:
         settings: dict[str, dict[str, Any]] = {
             "sandbox": {"provider": {"type": "local", "bwrap_path": str(wrapper)}},
         }
-        for section, values in (overrides or {}).items():
+        for section, values in (fault_settings(run_dir) if overrides is None
+                                else overrides).items():
             settings.setdefault(section, {}).update(values)
         self.config = local_config(run_dir, settings)
         self.config_path = run_dir / "config.toml"
         self.config_path.write_text(dump_config(self.config))
+        self.config_path.chmod(0o600)  # it holds the admin token
         self.log = run_dir / "up.log"
         self.up: subprocess.Popen[bytes] | None = None
         self.faults: Counter[str] = Counter()
