@@ -67,6 +67,8 @@ def _local_service_settings(run_dir: Path) -> dict[str, dict[str, Any]]:
                           "temperature": 1.0, "max_staleness": MAX_STALENESS},
             "fleet": {"kind": "builtin", "num_engines": 1, "model_path": model,
                       "log_dir": str(run_dir / "logs"), "start_timeout_s": 120.0},
+            # A tiny model's update takes well under a second: a hung engine fails it fast.
+            "weight_update": {"step_timeout_s": 60.0},
         },
         "sandbox": {
             "tasks_dir": str(REPO_ROOT / "tasks"),

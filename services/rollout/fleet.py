@@ -253,8 +253,10 @@ class EngineFleet:
 
     # -- for the weight-update coordinator ---------------------------------------------
     def up_members(self) -> list[EngineMember]:
-        """Engines that can take part in a weight update now."""
-        return [m for m in self.members if m.state in ("ready", "awaiting_weights")]
+        """Engines that can take part in a weight update now (one that missed its last health
+        check may be hung: it sits out, so the update does not wait on it)."""
+        return [m for m in self.members
+                if m.state in ("ready", "awaiting_weights") and m.missed_checks == 0]
 
     async def on_committed(self, version: int, synced: list[EngineMember]) -> None:
         """Engines in `synced` hold `version` now; register the ones waiting for it."""

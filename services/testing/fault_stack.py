@@ -62,12 +62,14 @@ class Audit:
 
 def fault_settings(run_dir: Path) -> dict[str, dict[str, Any]]:
     """The local stack's settings for fault runs: a hung engine is found within ~18 s, an
-    engine may restart often, and a step needs 4 episodes (groups of 2) instead of 8."""
+    engine may restart often, an update waits at most 20 s on one, and a step needs 4
+    episodes (groups of 2) instead of 8."""
     return {"rollout": {
         "fleet": {"kind": "builtin", "num_engines": 1, "model_path": str(run_dir / "model"),
                   "log_dir": str(run_dir / "logs"), "start_timeout_s": 120.0,
                   "health_interval_s": 1.0, "max_missed_health_checks": 3,
                   "max_restarts": 1000},
+        "weight_update": {"step_timeout_s": 20.0},
         "scheduler": {"max_concurrent_samples": 8, "n_samples_per_prompt": 2,
                       "num_groups_per_batch": 2, "max_new_tokens": 32, "temperature": 1.0,
                       "max_staleness": MAX_STALENESS},
