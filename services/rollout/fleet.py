@@ -217,8 +217,10 @@ class EngineFleet:
             if member.proc is None and member.state in ("ready", "awaiting_weights"):
                 # an attached engine we cannot restart: it may come back without our weights
                 member.state, member.in_group = "unreachable", False
-            elif member.proc is not None and member.state != "starting" \
-                    and not self.lock.locked():  # mid-update an engine may be slow to answer
+            elif member.proc is not None and member.state != "starting":
+                # Counted during updates too: a hung engine would otherwise hold every update
+                # (and the lock) until its step timeout, again and again. The built-in engine
+                # answers health checks while it loads weights.
                 member.missed_checks += 1
                 if member.missed_checks >= self.config.max_missed_health_checks:
                     log.warning("engine %s is alive but answered no health check %d times in "

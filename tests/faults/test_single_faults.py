@@ -88,7 +88,9 @@ def test_rollout_sigkill_new_incarnation_new_ids(stack: FaultStack) -> None:
     produced_before = stack.audit().produced
     stack.kill("rollout")
     _goes_on_and_loses_nothing(stack, "rollout")
-    assert stack.audit().produced > produced_before  # the new incarnation's ids were written
+    # The trainer may first train the backlog; the new incarnation's groups follow.
+    stack.wait_for(lambda: stack.audit().produced > produced_before, STEP_TIMEOUT_S,
+                   "groups written by the new rollout incarnation")
 
 
 def test_trainer_killed_during_a_sync(stack: FaultStack) -> None:
