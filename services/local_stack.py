@@ -1,8 +1,14 @@
 """`riptide up`: Redis and the four services as child processes on loopback.
 
-Writes the stack's config into a run directory, starts redis-server and each service with
-`riptide serve`, waits until every one is ready, and stops them all (process groups, no
-orphans) on Ctrl-C, on SIGTERM, when a child dies, or when the trainer reached `--steps`.
+Writes the stack's config into a run directory, starts redis-server (append-only, so the
+stream survives) and every service with `riptide serve` at once (each waits for the peers it
+calls, so start order does not matter), waits until every one is ready, then supervises them:
+a child that dies is restarted with backoff (services/common/supervision.py), and one that
+keeps dying stops the stack with a report. Everything stops (process groups, no orphans) on
+Ctrl-C, on SIGTERM, on such a give-up, or when the trainer reached `--steps` more steps.
+
+A run directory that already holds a checkpoint is resumed: the trainer continues from it and
+the stream in its Redis data; `riptide up` says which of the two it does.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ from services.common import process
 from services.common.config import deep_merge, dump_config
 from services.common.errors import ConfigError, RiptideError, Unavailable
 from services.common.ports import free_ports
+from services.common.supervision import GaveUp, Supervisor
 from services.deployment import load_config, validate_config
 
-#: Start order: what a service calls must be up before it.
+#: The services of the stack. They are started together; the order is only that of the logs.
 SERVICE_ORDER = ("router", "sandbox", "trainer", "rollout")
 REPO_ROOT = Path(__file__).resolve().parents[1]
+MAX_STALENESS = 4
 
 
 def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Any:
@@ -61,11 +69,13 @@ def _local_service_settings(run_dir: Path) -> dict[str, dict[str, Any]]:
         "rollout": {
             "scheduler": {"max_concurrent_samples": 8, "n_samples_per_prompt": 4,
                           "num_groups_per_batch": 2, "max_new_tokens": 48,
-                          "temperature": 1.0, "max_staleness": 4,
+                          "temperature": 1.0, "max_staleness": MAX_STALENESS,
                           # A random model never scores: every group has zero variance.
                           "drop_zero_variance_groups": False},
             "fleet": {"kind": "builtin", "num_engines": 1, "model_path": model,
                       "log_dir": str(run_dir / "logs"), "start_timeout_s": 120.0},
+            # A tiny model's update takes well under a second: a hung engine fails it fast.
+            "weight_update": {"step_timeout_s": 60.0},
         },
         "sandbox": {
             "tasks_dir": str(REPO_ROOT / "tasks"),
@@ -76,10 +86,12 @@ def _local_service_settings(run_dir: Path) -> dict[str, dict[str, Any]]:
         },
         "trainer": {
             "rollout_batch_size": 2,
+            "max_staleness": MAX_STALENESS,  # the backstop for what the rollout admits
             "model": {"hf_path": model, "dtype": "float32"},
             "optimizer": {"lr": 1e-4},
             "checkpoint": {"dir": str(run_dir / "checkpoints")},
-            "weight_sync": {"dtype": "float32", "bucket_mb": 16.0},
+            "weight_sync": {"dtype": "float32", "bucket_mb": 16.0, "retry_max_s": 5.0,
+                            "check_interval_s": 2.0},
         },
     }
 
@@ -95,26 +107,52 @@ def ensure_tiny_model(run_dir: Path) -> Path:
 
 
 class LocalStack:
-    """Redis plus the four services, each a child process with its own log file."""
+    """Redis plus the four services, each a supervised child process with its own log."""
 
     def __init__(self, run_dir: Path, config_path: Path,
-                 say: Callable[[str], None] = print) -> None:
+                 say: Callable[[str], None] = print, supervisor: Supervisor | None = None) -> None:
         self.run_dir = run_dir
         self.config_path = config_path
         self.config = load_config(config_path)
         self.say = say
-        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.supervisor = supervisor or Supervisor()
 
-    def start(self, ready_timeout_s: float = 300.0) -> None:
+    @property
+    def children(self) -> dict[str, subprocess.Popen[bytes]]:
+        return {name: c.proc for name, c in self.supervisor.children.items()}
+
+    def start(self, ready_timeout_s: float = 300.0,
+              order: tuple[str, ...] = SERVICE_ORDER) -> None:
+        """Redis, then every service at once (in `order`); returns when all are ready."""
         self._start_redis()
-        for name in SERVICE_ORDER:
-            cmd = [sys.executable, "-m", "services.cli", "serve", name,
-                   "--config", str(self.config_path)]
-            self.children[name] = process.spawn(cmd, log_path=self._log(name), cwd=REPO_ROOT)
-            self._wait_ready(name, ready_timeout_s)
+        for name in order:
+            self.supervisor.add(name, lambda name=name: self._spawn(name))  # type: ignore[misc]
+        deadline = time.monotonic() + ready_timeout_s
+        waiting = list(order)
+        while waiting:
+            for name in list(waiting):
+                if self._probe_ready(name):
+                    waiting.remove(name)
+                    section = getattr(self.config, name)
+                    self.say(f"[up] {name:<10} ready  grpc {section.grpc_address}  "
+                             f"admin {section.admin_url}")
+            self.check_children(starting=True)
+            if waiting and time.monotonic() > deadline:
+                name = waiting[0]
+                raise RiptideError(f"{name} not ready after {ready_timeout_s:.0f}s; "
+                                   f"last log lines:\n{self.log_tail(name)}")
+            time.sleep(0.2)
+
+    def _spawn(self, name: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "services.cli", "serve", name,
+               "--config", str(self.config_path)]
+        return process.spawn(cmd, log_path=self._log(name), cwd=REPO_ROOT)
 
     def _log(self, name: str) -> Path:
         return self.run_dir / "logs" / f"{name}.log"
+
+    def redis_port(self) -> int:
+        return int(self.config.redis.url.rsplit(":", 1)[1].split("/")[0])
 
     def _start_redis(self) -> None:
         binary = shutil.which("redis-server")
@@ -123,33 +161,43 @@ class LocalStack:
                 "redis-server is not on PATH. Install it (Debian/Ubuntu: "
                 "`sudo apt-get install -y redis-server`; macOS: `brew install redis`) "
                 "or run `make demo`, which installs it when run as root.")
-        port = int(self.config.redis.url.rsplit(":", 1)[1].split("/")[0])
+        port = self.redis_port()
         data_dir = self.run_dir / "redis"
         data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
                "--save", "", "--appendonly", "yes", "--protected-mode", "yes"]
-        self.children["redis"] = process.spawn(cmd, log_path=self._log("redis"))
-        self._wait(lambda: _redis_pings(port), "redis", 30.0)
+        self.supervisor.add("redis", lambda: process.spawn(cmd, log_path=self._log("redis")))
+        deadline = time.monotonic() + 30.0
+        while not _redis_pings(port):
+            proc = self.supervisor.proc("redis")
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RiptideError(f"redis did not start (exit code {proc.returncode}); "
+                                   f"last log lines:\n{self.log_tail('redis')}")
+            time.sleep(0.2)
         self.say(f"[up] redis      ready  127.0.0.1:{port}")
 
-    def _wait_ready(self, name: str, timeout_s: float) -> None:
+    def _probe_ready(self, name: str) -> bool:
         section = getattr(self.config, name)
+        if _http_ok(f"{section.admin_url}/readyz"):
+            return True
+        error = _reported_error(section.admin_url, self.config.run.admin_token)
+        if error:  # a service that reports a failure while starting will not get better
+            raise RiptideError(f"{name} failed while starting: {error}\n"
+                               f"last log lines:\n{self.log_tail(name)}")
+        return False
 
-        def probe() -> bool:
-            if _http_ok(f"{section.admin_url}/readyz"):
-                return True
-            error = _reported_error(section.admin_url, self.config.run.admin_token)
-            if error:
-                raise RiptideError(f"{name} failed while starting: {error}\n"
-                                   f"last log lines:\n{self.log_tail(name)}")
-            return False
-
-        self._wait(probe, name, timeout_s)
-        self.say(f"[up] {name:<10} ready  grpc {section.grpc_address}  admin {section.admin_url}")
-
-    def _wait(self, probe: Callable[[], bool], name: str, timeout_s: float) -> None:
-        process.wait_until_ready(probe, self.children[name], name, timeout_s,
-                                 lambda: f"last log lines:\n{self.log_tail(name)}")
+    def check_children(self, starting: bool = False) -> None:
+        """Restart dead children with backoff (raises GaveUp when one keeps dying)."""
+        try:
+            events = self.supervisor.check()
+        except GaveUp as exc:
+            name = str(exc).split(" ", 1)[0]
+            raise GaveUp(f"{exc}; last log lines of {name}:\n{self.log_tail(name)}") from None
+        for event in events:
+            when = " while starting" if starting else ""
+            self.say(f"[up] {event.name} {event.kind}{when}: {event.detail}")
+            if event.kind == "died":
+                self.say(f"[up] last log lines of {event.name}:\n{self.log_tail(event.name, 8)}")
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self._log(name)
@@ -157,15 +205,10 @@ class LocalStack:
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
-    def dead_child(self) -> str | None:
-        """The name of a child that exited, if any."""
-        return next((n for n, c in self.children.items() if c.poll() is not None), None)
-
     def stop(self) -> None:
-        """Stop the services in reverse start order, then Redis."""
-        for name in reversed(list(self.children)):
-            process.stop(self.children[name])
-        self.children.clear()
+        """Stop the services, then Redis."""
+        names = [n for n in reversed(SERVICE_ORDER) if n in self.supervisor.children]
+        self.supervisor.stop_all(names + [n for n in self.supervisor.children if n not in names])
 
 
 def _http_ok(url: str) -> bool:
@@ -198,7 +241,8 @@ def _redis_pings(port: int) -> bool:
 
 def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
            summarize: Callable[[Any], str] | None = None) -> int:
-    """The body of `riptide up`: start, wait for Ctrl-C / SIGTERM / `steps`, stop everything."""
+    """The body of `riptide up`: start or resume, supervise until Ctrl-C / SIGTERM /
+    `steps` more trainer steps / a child that keeps dying, then stop everything."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if config_path is None:
         config_path = run_dir / "config.toml"
@@ -211,10 +255,14 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
     stack = LocalStack(run_dir, config_path, say=lambda m: print(m, flush=True))
     signal.signal(signal.SIGTERM, _interrupt)
     try:
+        resumed_step = _announce_run(stack)
         stack.start()
         print("[up] all services ready; `riptide status --config "
               f"{config_path}` shows their state; Ctrl-C stops the stack", flush=True)
-        return _supervise(stack, steps, summarize)
+        target = None if steps is None else resumed_step + steps
+        if target is not None and resumed_step:
+            print(f"[up] --steps {steps}: training until step {target}", flush=True)
+        return _supervise(stack, target, summarize)
     except KeyboardInterrupt:
         print("\n[up] stopping", flush=True)
         return 130
@@ -223,19 +271,37 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         print("[up] stopped", flush=True)
 
 
+def checkpoint_step(checkpoint_dir: Path) -> int:
+    """The step of the newest complete checkpoint under `checkpoint_dir` (0: none)."""
+    steps = [int(p.name.split("-", 1)[1]) for p in checkpoint_dir.glob("step-*")
+             if p.name.split("-", 1)[1].isdigit()]
+    return max(steps, default=0)
+
+
+def _announce_run(stack: LocalStack) -> int:
+    """Say whether this is a fresh run or the resumption of one; returns the resumed step."""
+    ckpt_dir = Path(stack.config.trainer.checkpoint.dir)
+    step = checkpoint_step(ckpt_dir)
+    saved = any((stack.run_dir / "redis" / n).exists() for n in ("appendonlydir", "appendonly.aof"))
+    if step:
+        stream = "its stream" if saved else "no saved stream"
+        print(f"[up] resuming the run in {stack.run_dir}: trainer checkpoint at step {step} "
+              f"({ckpt_dir}), {stream} in {stack.run_dir / 'redis'}", flush=True)
+    else:
+        print(f"[up] starting a fresh run in {stack.run_dir} (no checkpoint in {ckpt_dir})",
+              flush=True)
+    return step
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _supervise(stack: LocalStack, steps: int | None,
+def _supervise(stack: LocalStack, target_step: int | None,
                summarize: Callable[[Any], str] | None) -> int:
     while True:
-        dead = stack.dead_child()
-        if dead is not None:
-            print(f"[up] {dead} exited unexpectedly; last log lines:\n{stack.log_tail(dead)}",
-                  flush=True)
-            return 1
-        if steps is not None and trainer_step(stack.config) >= steps:
+        stack.check_children()
+        if target_step is not None and trainer_step(stack.config) >= target_step:
             if summarize is not None:
                 print(summarize(stack.config), flush=True)
             return 0

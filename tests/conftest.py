@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
 from services.testing.redis_server import RedisServer
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A fresh directory, removed after the test. Not tmp_path: concurrent pytest sessions
+    prune each other's old basetemp dirs."""
+    path = Path(tempfile.mkdtemp(prefix="riptide-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ Keys, for run name `<run>`:
   `common_pb2.Group`, `group_id`), read through the consumer group `trainer`.
 - `riptide:<run>:group:<group_id>`: marks a group id as written, for `dedup_ttl_s`, so that a
   producer retry never writes a group twice.
+- `riptide:<run>:weight_version`: the last weight version the engines committed (written by
+  the rollout service, read back when it restarts).
 
 Full means: the stream holds `max_groups` entries. Acknowledging an entry (after the step
 that used it is checkpointed) also deletes it, so that count is exactly the groups written
@@ -102,6 +104,7 @@ class _BufferBase:
         self.run = run
         self.stream = f"riptide:{run}:samples"
         self._marker_prefix = f"riptide:{run}:group:"
+        self.version_key = f"riptide:{run}:weight_version"
         self._dedup_ttl_s = dedup_ttl_s
         self._url = redact(config.url)
 
@@ -377,6 +380,19 @@ class AsyncSampleBuffer(_BufferBase):
             pipe.xpending(self.stream, CONSUMER_GROUP)
             length, pending = await pipe.execute()
         return BufferStats(int(length), int(pending["pending"]), self.config.max_groups)
+
+    async def set_weight_version(self, version: int) -> None:
+        """Record the weight version the engines committed (never moves backwards)."""
+        with self._guard():
+            current = await self._client.get(self.version_key)
+            if current is None or int(current) < version:
+                await self._client.set(self.version_key, version)
+
+    async def weight_version(self) -> int | None:
+        """The last committed weight version of this run, if one was recorded."""
+        with self._guard():
+            value = await self._client.get(self.version_key)
+        return int(value) if value is not None else None
 
     async def aclose(self) -> None:
         await self._client.aclose()

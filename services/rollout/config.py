@@ -94,6 +94,10 @@ class FleetConfig(StrictModel):
     health_interval_s: float = Field(2.0, gt=0, description="period of engine health checks")
     start_timeout_s: float = Field(600.0, gt=0, description="time an engine has to get healthy")
     max_restarts: int = Field(5, ge=0, description="restarts of one engine before giving up")
+    max_missed_health_checks: int = Field(
+        5, ge=1, le=10_000,
+        description="a launched engine that is alive but misses this many health checks in a "
+        "row (outside weight updates) is hung: it is killed and restarted")
     log_dir: str | None = Field(None, description="engine logs go here (None: discarded)")
 
     @model_validator(mode="after")

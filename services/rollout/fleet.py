@@ -7,6 +7,10 @@ with the router again only after the next weight update has brought it to the cu
 version (weight_update.py re-forms the group then, because the restarted engine has not
 joined it). Calls engines through EngineClient and the router through a RouterLink; the
 rollout service owns the fleet and the coordinator uses it.
+
+The router is checked every health interval: engines it does not hold (it restarted, or was
+not up when they were) are registered again, and its weight version is set again, so a
+restarted router needs no restart of the rollout service. Registration never fails start-up.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class EngineMember:
     registered: bool = False
     in_group: bool = False
     restarts: int = 0
+    missed_checks: int = 0
     weight_version: int | None = None
     load: list[dict[str, Any]] | None = None
     error: str | None = None
@@ -69,6 +74,7 @@ class EngineFleet:
         self.lock = asyncio.Lock()   # held by a weight update; restarts wait for it
         self._supervisor: asyncio.Task[None] | None = None
         self._restarting: set[asyncio.Task[None]] = set()
+        self.router_reregistrations = 0
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -127,7 +133,11 @@ class EngineFleet:
             member.ranks = self.config.ranks_per_engine or int(info.get("tp_size", 1))
         member.error = None
         if self.current_version == self.initial_version:
-            await self._register(member)
+            member.state, member.weight_version = "ready", self.current_version
+            try:
+                await self._register(member, attempts=3)
+            except Unavailable as exc:  # the router is not up yet: the supervisor registers it
+                log.warning("router not reachable for %s yet: %s", member.url, exc)
         else:
             member.state = "awaiting_weights"
             log.info("engine %s is up with initial weights; waits for the next update",
@@ -162,6 +172,47 @@ class EngineFleet:
                     task.add_done_callback(self._restarting.discard)
             await asyncio.gather(*(self._poll(m) for m in self.members if m.state != "dead"),
                                  return_exceptions=True)
+            if not self.lock.locked():  # a weight update registers its engines itself
+                try:
+                    await self.reconcile_router()
+                except Unavailable as exc:
+                    log.debug("router check: %s", exc)
+
+    async def reconcile_router(self) -> int:
+        """Register again every ready engine the router does not hold (a restarted router
+        comes back empty) and restore its weight version; returns how many were registered."""
+        view = await self.router.view()
+        if view is None:
+            return 0
+        if view.weight_version is not None and view.weight_version != self.current_version \
+                or view.weight_version is None and self.current_version != self.initial_version:
+            await self.router.set_weight_version(self.current_version)
+        missing = [m for m in self.members if m.state == "ready"
+                   and (not m.registered or m.url not in view.engine_urls)]
+        for member in missing:
+            log.warning("router does not hold engine %s: registering it again", member.url)
+            member.registered = False
+            await self._register(member, attempts=1)
+            self.router_reregistrations += 1
+        return len(missing)
+
+    def abandon(self, members: list[EngineMember]) -> None:
+        """An update was abandoned after weights moved: these engines hold mixed weights.
+        They leave the router (the caller deregisters) and wait for the next full update."""
+        for member in members:
+            member.in_group = False
+            if member.state == "ready":
+                member.state = "awaiting_weights"
+
+    def can_generate(self) -> bool:
+        """Whether some engine holds the current weights (or the fleet is still starting)."""
+        return not self.members or any(m.state == "ready" for m in self.members)
+
+    @property
+    def needs_weights(self) -> bool:
+        """Some engine is up but lacks the current weights (restarted, or an update was
+        abandoned): the trainer should push them even if it has no step to take."""
+        return any(m.state == "awaiting_weights" for m in self.members)
 
     async def _poll(self, member: EngineMember) -> None:
         try:
@@ -171,7 +222,19 @@ class EngineFleet:
             if member.proc is None and member.state in ("ready", "awaiting_weights"):
                 # an attached engine we cannot restart: it may come back without our weights
                 member.state, member.in_group = "unreachable", False
+            elif member.proc is not None and member.state != "starting":
+                # Counted during updates too: a hung engine would otherwise hold every update
+                # (and the lock) until its step timeout, again and again. The built-in engine
+                # answers health checks while it loads weights.
+                member.missed_checks += 1
+                if member.missed_checks >= self.config.max_missed_health_checks:
+                    log.warning("engine %s is alive but answered no health check %d times in "
+                                "a row: killing it (it is restarted)", member.url,
+                                member.missed_checks)
+                    member.missed_checks = 0
+                    await asyncio.to_thread(process.stop, member.proc, 1.0)
             return
+        member.missed_checks = 0
         if member.state == "unreachable":
             try:
                 version: str | None = await self.client.weight_version(member.url)
@@ -200,8 +263,10 @@ class EngineFleet:
 
     # -- for the weight-update coordinator ---------------------------------------------
     def up_members(self) -> list[EngineMember]:
-        """Engines that can take part in a weight update now."""
-        return [m for m in self.members if m.state in ("ready", "awaiting_weights")]
+        """Engines that can take part in a weight update now (one that missed its last health
+        check may be hung: it sits out, so the update does not wait on it)."""
+        return [m for m in self.members
+                if m.state in ("ready", "awaiting_weights") and m.missed_checks == 0]
 
     async def on_committed(self, version: int, synced: list[EngineMember]) -> None:
         """Engines in `synced` hold `version` now; register the ones waiting for it."""

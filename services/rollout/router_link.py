@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -10,8 +11,18 @@ from services._proto.riptide.v1 import router_pb2, router_pb2_grpc
 from services.common.errors import Unavailable
 
 
+@dataclass(frozen=True)
+class RouterView:
+    """What the router holds now: its engines' URLs and the weight version it requires."""
+
+    engine_urls: frozenset[str]
+    weight_version: int | None
+
+
 class RouterLink(Protocol):
-    """What the fleet and the coordinator tell the router."""
+    """What the fleet and the coordinator tell the router (and ask it)."""
+
+    async def view(self) -> RouterView | None: ...
 
     async def register(self, url: str) -> None: ...
 
@@ -33,6 +44,25 @@ class GrpcRouterLink:
         except grpc.aio.AioRpcError as exc:
             raise Unavailable(f"router {what} failed: {exc.code().name}: {exc.details()}") from None
 
+    async def view(self) -> RouterView | None:
+        """The router's engines and version (a restarted router holds none)."""
+        import json
+
+        from google.protobuf import json_format
+
+        from services._proto.riptide.v1 import common_pb2
+
+        try:
+            status = await self._stub.GetStatus(common_pb2.StatusRequest(),
+                                                timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"router GetStatus failed: {exc.code().name}") from None
+        details = json.loads(json_format.MessageToJson(status.details))
+        urls = frozenset(str(t.get("engine_url", "")).rstrip("/")
+                         for t in details.get("targets") or [] if not t.get("leaving"))
+        version = details.get("weight_version")
+        return RouterView(urls, int(version) if version is not None else None)
+
     async def register(self, url: str) -> None:
         await self._call(f"RegisterEngine({url})", self._stub.RegisterEngine,
                          router_pb2.RegisterEngineRequest(url=url))
@@ -48,6 +78,9 @@ class GrpcRouterLink:
 
 class NoRouter:
     """A RouterLink for fleets without a router (benches, single-engine tests)."""
+
+    async def view(self) -> RouterView | None:
+        return None
 
     async def register(self, url: str) -> None:
         return None

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,13 +57,16 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, tasks: TaskCycle, runner: EpisodeRunner,
                  sink: GroupSink, *, weight_version: int = 0, id_prefix: str = "",
+                 backlog_samples: int = 0, can_generate: Callable[[], bool] | None = None,
                  evaluation: EvalQueue | None = None) -> None:
         self.config = config
         self._tasks = tasks
         self._runner = runner
         self._sink = sink
-        self._gate = StalenessGate(config, weight_version)
-        self._prefix = id_prefix or f"{int(time.time() * 1000):x}"
+        # Groups already in the stream are consumed before any this scheduler writes.
+        self._gate = StalenessGate(config, weight_version, backlog_samples)
+        self._can_generate = can_generate  # False: no engine holds current weights; wait
+        self._prefix = id_prefix or f"{int(time.time() * 1000):x}-{secrets.token_hex(16)}"
         self._group_seq = 0
         self._open: _OpenGroup | None = None
         self._unfinished: dict[str, _OpenGroup] = {}  # groups with samples still to finish
@@ -156,6 +161,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         cfg = self.config
+        if self._can_generate is not None and not self._can_generate():
+            return  # woken again when an engine is ready (the service pokes config_changed)
         while self.evaluation is not None and not self.paused \
                 and self.in_flight < cfg.max_concurrent_samples:
             item = self.evaluation.next_request()
@@ -323,9 +330,11 @@ class Scheduler:
         while True:
             group, latency_s, staleness = await self._write_queue.get()
             self._writing = 1
+            attempts = 0
             while True:
+                attempts += 1
                 try:
-                    await self._sink.put(group)
+                    written = await self._sink.put(group)
                     break
                 except asyncio.CancelledError:
                     raise
@@ -337,7 +346,17 @@ class Scheduler:
                     log.warning("writing group %s failed, retrying: %s", group.group_id, exc)
                     await asyncio.sleep(SINK_RETRY_S)
             self._writing = 0
-            self.stats.record_group(latency_s, len(group.samples), staleness)
+            if written is False and attempts == 1:
+                # The sink already holds this id and this scheduler never wrote it: an id
+                # collision. Never a silent drop: counted, logged, and its budget returned.
+                log.error("group %s rejected by the sink: its id was already written",
+                          group.group_id)
+                self.stats.sink_rejected += 1
+                self.stats.dropped_groups["rejected_duplicate_id"] += 1
+                self.stats.dropped_samples += len(group.samples)
+                self._gate.on_drop(len(group.samples))
+            else:  # False after a failed try: that try's write landed
+                self.stats.record_group(latency_s, len(group.samples), staleness)
             self._wake.set()
 
     @staticmethod

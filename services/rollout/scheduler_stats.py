@@ -43,6 +43,8 @@ class SchedulerStats:
     dropped_samples: int = 0
     dropped_groups: Counter[str] = field(default_factory=Counter)
     sink_errors: int = 0
+    #: groups the sink refused because their id was already written (never silent)
+    sink_rejected: int = 0
     sink_backpressure: int = 0
     #: staleness of written groups at their predicted consumption -> count
     staleness: Counter[int] = field(default_factory=Counter)
@@ -96,6 +98,7 @@ class SchedulerStats:
             "dropped_samples": self.dropped_samples,
             "dropped_groups": dict(self.dropped_groups),
             "sink_errors": self.sink_errors,
+            "sink_rejected": self.sink_rejected,
             "sink_backpressure": self.sink_backpressure,
             "mixed_version_share": round(self.mixed_version_share(), 4),
             "staleness_of_written_groups": {str(k): v for k, v in sorted(self.staleness.items())},

@@ -1,15 +1,20 @@
 """The rollout service runtime: wires the fleet, the scheduler and the weight-update coordinator.
 
-Start-up: bring the engines up and register them (fleet.py), connect the sample buffer, find
-the task set (config or Sandbox.ListTasks, retried until the sandbox answers), then start the
-scheduler. The gRPC servicer (server.py) hands UpdateWeights streams to the coordinator; the
-admin app's pause/resume and live config patches go to the scheduler.
+Start-up: connect the sample buffer and read the last committed weight version from it (a
+restarted rollout service continues the run's numbering; its fresh engines wait for the next
+update), bring the engines up and register them (fleet.py), find the task set (config or
+Sandbox.ListTasks, retried until the sandbox answers), then start the scheduler, which counts
+what already sits in the stream and admits nothing while no engine holds current weights.
+Group ids carry a random 128-bit incarnation id, so no two incarnations ever share one.
+The gRPC servicer (server.py) hands UpdateWeights streams to the coordinator; the admin
+app's pause/resume and live config patches go to the scheduler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import Any
 
 import grpc
@@ -66,6 +71,7 @@ class RolloutRuntime(ServiceRuntime):
         self.buffer_depth: int | None = None
         self._sandbox_channel: grpc.aio.Channel | None = None
         self._background: list[asyncio.Task[None]] = []
+        self._stores: set[asyncio.Task[None]] = set()
 
     def add_to_grpc(self, server: grpc.aio.Server) -> None:
         from services._proto.riptide.v1 import rollout_pb2_grpc
@@ -74,17 +80,30 @@ class RolloutRuntime(ServiceRuntime):
         rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self), server)
 
     async def start(self) -> None:
+        from services.common.buffer import AsyncSampleBuffer
+
+        self.buffer = await self._connect_buffer(AsyncSampleBuffer)
+        stored = await self.buffer.weight_version()
+        if stored is not None and stored > self.fleet.current_version:
+            log.info("the run is at weight version %d: engines wait for the next update", stored)
+            self.fleet.current_version = stored
         self._router_channel = aio_channel(self._router_address, self._token)
         self.fleet.router = GrpcRouterLink(self._router_channel)
         await self.fleet.start()
-        from services.common.buffer import AsyncSampleBuffer
-
-        self.buffer = await AsyncSampleBuffer.connect(self._redis, self._run_name)
         self._sandbox_channel = aio_channel(self._sandbox_address, self._token)
         metrics.install(self.metrics_snapshot)
         self._background = [asyncio.create_task(self._start_scheduler(self.buffer)),
                             asyncio.create_task(self._watch_buffer())]
         self._background[0].add_done_callback(_log_failure)
+
+    async def _connect_buffer(self, cls: Any) -> Any:
+        """The sample buffer, waiting for Redis while it is not up (start order is free)."""
+        while True:
+            try:
+                return await cls.connect(self._redis, self._run_name)
+            except Unavailable as exc:
+                log.warning("sample buffer not reachable yet: %s", exc)
+                await asyncio.sleep(1.0)
 
     async def _start_scheduler(self, sink: GroupSink) -> None:
         assert self._sandbox_channel is not None
@@ -103,9 +122,12 @@ class RolloutRuntime(ServiceRuntime):
         task_ids = [t for t in task_ids if t not in held_out]
         if not task_ids:
             raise Unavailable("every task is a held-out eval task: none is left to train on")
+        backlog = await self._backlog_groups()
         scheduler = Scheduler(self.config.scheduler, TaskCycle(task_ids, self.config.task_seed),
                               runner, sink, weight_version=self.fleet.current_version,
-                              id_prefix=f"{self._run_name}-{id(self) & 0xffff:04x}",
+                              id_prefix=f"{self._run_name}-{secrets.token_hex(16)}",
+                              backlog_samples=backlog * self.config.scheduler.n_samples_per_prompt,
+                              can_generate=self.fleet.can_generate,
                               evaluation=EvalQueue(self.config.eval,
                                                    self.config.scheduler.max_new_tokens,
                                                    self.config.scheduler.top_p))
@@ -113,7 +135,16 @@ class RolloutRuntime(ServiceRuntime):
             scheduler.pause()
         await scheduler.start()
         self.scheduler = scheduler
-        log.info("scheduler started with %d tasks", len(task_ids))
+        log.info("scheduler started with %d tasks, %d groups already in the stream",
+                 len(task_ids), backlog)
+
+    async def _backlog_groups(self) -> int:
+        while True:
+            try:
+                return int((await self.buffer.stats()).length)
+            except Unavailable as exc:
+                log.warning("cannot count the stream's backlog yet: %s", exc)
+                await asyncio.sleep(1.0)
 
     async def _watch_buffer(self) -> None:
         while True:
@@ -121,6 +152,8 @@ class RolloutRuntime(ServiceRuntime):
                 self.buffer_depth = (await self.buffer.stats()).length
             except Unavailable:
                 self.buffer_depth = None
+            if self.scheduler is not None:
+                self.scheduler.config_changed()  # re-checks whether an engine can generate
             await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
@@ -143,6 +176,15 @@ class RolloutRuntime(ServiceRuntime):
     def _on_committed(self, version: int) -> None:
         if self.scheduler is not None:
             self.scheduler.set_weight_version(version)
+        task = asyncio.get_running_loop().create_task(self._store_version(version))
+        self._stores.add(task)
+        task.add_done_callback(self._stores.discard)
+
+    async def _store_version(self, version: int) -> None:
+        try:  # a restarted rollout service reads it back (start-up above)
+            await self.buffer.set_weight_version(version)
+        except Unavailable as exc:
+            log.warning("storing weight version %d failed: %s", version, exc)
 
     async def pause(self) -> None:
         await super().pause()
@@ -165,6 +207,9 @@ class RolloutRuntime(ServiceRuntime):
             "engines": self.fleet.state(),
             "weight_updates": self.coordinator.state(),
             "buffer_depth": self.buffer_depth,
+            "weight_version": self.fleet.current_version,
+            "needs_weights": self.fleet.needs_weights,
+            "router_reregistrations": self.fleet.router_reregistrations,
             "last_update_s": recent[-1]["duration_s"] if recent else None,
         }
 

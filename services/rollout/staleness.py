@@ -15,6 +15,10 @@ consumed more than `max_staleness` versions after its oldest token is dropped as
 group is cut short, its running episodes cancelled, as soon as one finished sample proves it
 would be). The admission rule keeps those drops rare (bench/overlap.py reports them).
 
+Groups already in the stream when the scheduler starts (a restarted rollout service, a
+backlog behind a slow trainer) are consumed first: they count as admitted and accepted from
+the start, so new samples are admitted and judged as landing behind them.
+
 Assumes one weight-version bump per batch, as the trainer does when it syncs every step.
 """
 
@@ -26,12 +30,13 @@ from services.rollout.config import SchedulerConfig
 class StalenessGate:
     """Admission and acceptance checks against `max_staleness` (None: no limit)."""
 
-    def __init__(self, config: SchedulerConfig, weight_version: int) -> None:
+    def __init__(self, config: SchedulerConfig, weight_version: int,
+                 backlog_samples: int = 0) -> None:
         self._config = config
         self.base_version = weight_version
         self.version = weight_version
-        self.admitted = 0   # samples started and not dropped
-        self.accepted = 0   # samples of groups accepted for the buffer, in buffer order
+        self.admitted = backlog_samples   # samples started and not dropped
+        self.accepted = backlog_samples   # samples of groups accepted, in buffer order
 
     def budget(self) -> int | None:
         """How many more samples may start now (None: unlimited)."""

@@ -5,9 +5,11 @@ trainer's weight-update group (formed again whenever the set of engines changed 
 them never joined: world size 1 + all engine ranks, rank offsets assigned here in fleet
 order), forward each bucket's metadata to every engine while the trainer broadcasts it, then
 set the new version on the engines and the router, register engines that waited for these
-weights, tell the scheduler, and continue generation. A failure once a bucket may have been
-loaded leaves the engines paused (their weights may be mixed) and names every engine and step
-that failed; the next update forms the group again and sends every weight.
+weights, tell the scheduler, and continue generation. A failure (or a trainer that leaves)
+once a bucket may have been loaded names every engine and step that failed and leaves no
+engine paused: their weights may be mixed, so they leave the router, continue (nothing is
+routed to them) and wait for the next update, which forms the group again, sends every weight
+and registers them again. The trainer retries, and asks for that update when it is idle.
 """
 
 from __future__ import annotations
@@ -47,12 +49,15 @@ class WeightUpdateCoordinator:
         self._busy = asyncio.Lock()
         self._group_key: tuple[Any, ...] | None = None
         self.engines_paused = False
+        self.abandoned = 0  # updates given up after weights moved
+        self._members: list[EngineMember] = []
         self.history: deque[dict[str, Any]] = deque(maxlen=50)
         self.durations_s = Histogram((0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
 
     def state(self) -> dict[str, Any]:
         return {"in_progress": self._busy.locked(), "engines_paused": self.engines_paused,
-                "group_formed": self._group_key is not None, "recent": list(self.history)[-5:]}
+                "group_formed": self._group_key is not None, "abandoned": self.abandoned,
+                "recent": list(self.history)[-5:]}
 
     async def run(self, requests: AsyncIterator[pb.WeightUpdateRequest]
                   ) -> AsyncIterator[pb.WeightUpdateEvent]:
@@ -78,6 +83,8 @@ class WeightUpdateCoordinator:
                 record["status"] = "failed"
                 record["error"] = str(exc) or type(exc).__name__
                 self._group_key = None  # the collective may be broken: form it again
+                if self.engines_paused:  # shielded: a cancelled stream still releases them
+                    await asyncio.shield(self._release(version=begin.weight_version))
                 raise
             finally:
                 record["duration_s"] = round(loop.time() - start, 3)
@@ -93,6 +100,7 @@ class WeightUpdateCoordinator:
         if not members:
             raise Unavailable(f"weight update v{version}: no engine is up")
         record["engines"] = [m.url for m in members]
+        self._members = members
         try:
             await self._all(version, members, "pause_generation",
                             lambda m: client.pause(m.url, self.config.pause_mode))
@@ -131,8 +139,30 @@ class WeightUpdateCoordinator:
             self.engines_paused = False
         raise WeightUpdateFailed(
             f"weight update v{version}: the trainer ended the stream before Commit after "
-            f"{record['buckets']} buckets"
-            + ("; engines are left paused" if self.engines_paused else ""))
+            f"{record['buckets']} buckets")
+
+    async def _release(self, version: int) -> None:
+        """After a failure once weights may have moved: take the engines out of the router,
+        let them continue, and mark them as waiting for the next full update."""
+        members, client = self._members, self.fleet.client
+        self.abandoned += 1
+        self.fleet.abandon(members)
+        for member in members:
+            if member.registered:
+                member.registered = False
+                try:
+                    await self.fleet.router.deregister(member.url)
+                except Unavailable as exc:
+                    log.warning("deregistering %s after an abandoned update: %s", member.url, exc)
+        results = await asyncio.gather(*(client.resume(m.url) for m in members),
+                                       return_exceptions=True)
+        for member, result in zip(members, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("continue_generation on %s after abandoned v%d: %s", member.url,
+                            version, result)
+        self.engines_paused = False
+        log.warning("weight update v%d abandoned: %d engines continue unrouted until the next "
+                    "update", version, len(members))
 
     async def _load_bucket(self, version: int, members: list[EngineMember], group_name: str,
                            bucket: pb.WeightBucket) -> None:
@@ -173,8 +203,8 @@ class WeightUpdateCoordinator:
         try:
             await self.fleet.router.set_weight_version(version)
         except Unavailable as exc:
-            raise WeightUpdateFailed(f"weight update v{version}: {exc}; engines hold v{version} "
-                                     "and are left paused") from None
+            raise WeightUpdateFailed(f"weight update v{version}: {exc}; engines hold "
+                                     f"v{version} and wait for the next update") from None
         await self.fleet.on_committed(version, members)
         self._on_committed(version)
         await self._all(version, members, "continue_generation", lambda m: client.resume(m.url))
@@ -191,4 +221,4 @@ class WeightUpdateCoordinator:
             detail = "; ".join(f"{m.url}: {r}" for m, r in failures)
             raise WeightUpdateFailed(
                 f"weight update v{version}: {step} failed on {len(failures)} of {len(members)} "
-                f"engines ({detail}); engines are left paused")
+                f"engines ({detail})")

@@ -4,8 +4,9 @@ A checkpoint is the directory `<dir>/step-<n>`. It is written as `<dir>/.tmp-ste
 file and the directory are fsynced, then it is renamed into place and the parent fsynced:
 a `step-*` directory exists only when complete, and the newest one is the one to resume.
 `TrainerState` carries what exact resumption needs besides the weights: the step, the
-weight version, the group ids trained so far and the stream entries consumed since the
-previous checkpoint (acked only after this one is durable). Called by loop.py.
+weight version, the group ids trained (and dropped, with a reason) so far and the stream
+entries consumed since the previous checkpoint (acked only after this one is durable).
+Called by loop.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class TrainerState:
     weight_version: int = 0
     trained_group_ids: list[str] = field(default_factory=list)
     unacked_entry_ids: list[str] = field(default_factory=list)
+    #: Group ids read but not trained, with the reason (e.g. "stale"): never lost silently.
+    dropped_groups: dict[str, str] = field(default_factory=dict)
     num_samples: int = 0
     num_tokens: int = 0
 

@@ -100,6 +100,12 @@ class TrainerConfig(ServiceConfig):
         " = 1",
     )
     max_steps: int = Field(0, ge=0, description="stop after this many steps (0: run until told)")
+    max_staleness: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="a group generated more than this many weight versions before the one "
+        "being trained is dropped (reason 'stale', recorded in the checkpoint) instead of "
+        "trained; None: no limit. Set it to the rollout's max_staleness as a backstop",
+    )
     consumer_name: str = Field(
         "trainer-0", min_length=1, description="this trainer's name in the consumer group"
     )

@@ -6,21 +6,45 @@ empty (never polling), and records that blocked time as the batch's `wait_s` (bu
 It never acknowledges what it trains: loop.py acks entries once the checkpoint covering them
 is durable. After a restart, `recover()` acks what the last checkpoint covers and re-reads
 every other pending entry (XAUTOCLAIM) ahead of new ones, so no group is skipped and none is
-trained twice.
+trained twice. Redis going away (a restart) pauses reading and acking until it is back
+(`REDIS_PATIENCE_S`), keeping the entries already read. A `reject` callable may leave a group
+out of the batch with a reason (too stale); such entries are handed back by `take_rejected`
+for the loop to record and ack with its next checkpoint.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 from services._proto.riptide.v1.common_pb2 import Group
 from services.common.buffer import SampleBuffer
+from services.common.errors import Unavailable
 from services.trainer.batch import RolloutBatch, pack_groups
 
 _RECLAIM_ALL = 1 << 30
+#: How long a read, ack or reclaim waits for an unreachable Redis before the error surfaces.
+REDIS_PATIENCE_S = 300.0
+_T = TypeVar("_T")
+log = logging.getLogger(__name__)
+
+
+def _patiently(call: Callable[[], _T], what: str) -> _T:
+    """`call()`, retried every second while Redis is unreachable, for REDIS_PATIENCE_S."""
+    deadline = time.monotonic() + REDIS_PATIENCE_S
+    while True:
+        try:
+            return call()
+        except Unavailable as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("%s: Redis unreachable, retrying: %s", what, exc)
+            time.sleep(1.0)
 
 
 @dataclass(frozen=True)
@@ -55,6 +79,7 @@ class GroupStream:
         self.pad_id = pad_id
         self.packed = packed
         self._backlog: deque[tuple[str, Group]] = deque()
+        self._rejected: list[tuple[str, str, str]] = []
         self.total_wait_s = 0.0
 
     def recover(self, covered_entry_ids: Iterable[str], trained_group_ids: set[str]) -> Recovery:
@@ -63,27 +88,41 @@ class GroupStream:
         The trainer is the stream's only consumer, so every pending entry at start-up belongs
         to a previous incarnation of it and is claimed at once (min idle 0).
         """
-        acked = self.buffer.ack(list(covered_entry_ids))
+        covered = list(covered_entry_ids)
+        acked = _patiently(lambda: self.buffer.ack(covered), "ack on recovery")
         skipped: list[str] = []
-        for entry_id, group in self.buffer.reclaim(self.consumer, 0, _RECLAIM_ALL):
+        pending = _patiently(lambda: self.buffer.reclaim(self.consumer, 0, _RECLAIM_ALL),
+                             "reclaim on recovery")
+        for entry_id, group in pending:
             if group.group_id in trained_group_ids:
                 skipped.append(entry_id)
             else:
                 self._backlog.append((entry_id, group))
-        self.buffer.ack(skipped)
+        self.ack(skipped)
         return Recovery(acked, len(skipped), len(self._backlog))
 
     def ack(self, entry_ids: list[str]) -> int:
         """Acknowledge (and delete) entries whose training is durably checkpointed."""
-        return self.buffer.ack(entry_ids)
+        return _patiently(lambda: self.buffer.ack(entry_ids), "ack")
+
+    def take_rejected(self) -> list[tuple[str, str, str]]:
+        """(entry_id, group_id, reason) of groups `reject` left out since the last call."""
+        out, self._rejected = self._rejected, []
+        return out
 
     def next_batch(
-        self, should_stop: Callable[[], bool], trained_group_ids: set[str]
+        self,
+        should_stop: Callable[[], bool],
+        trained_group_ids: set[str],
+        reject: Callable[[Group], str | None] | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ) -> RolloutBatch | None:
         """The next `rollout_batch_size` groups, packed; None when asked to stop first.
 
         Entries whose group id was already trained (a producer duplicate) are acked and left
-        out. Waits in blocking reads of at most `block_ms` so that a stop is seen promptly.
+        out; so are groups `reject` names a reason for (kept for `take_rejected`, not acked).
+        Waits in blocking reads of at most `block_ms` so that a stop is seen promptly, and
+        calls `while_waiting` between them.
         """
         entries: list[tuple[str, Group]] = []
         seen: set[str] = set()
@@ -95,19 +134,24 @@ class GroupStream:
                 if should_stop():
                     self._backlog.extendleft(reversed(entries))
                     return None
+                if while_waiting is not None:
+                    while_waiting()
                 start = time.monotonic()
-                fresh = self.buffer.read(
-                    self.consumer, self.rollout_batch_size - len(entries), self.block_ms
-                )
+                fresh = _patiently(
+                    partial(self.buffer.read, self.consumer,
+                            self.rollout_batch_size - len(entries), self.block_ms), "read")
                 wait_s += time.monotonic() - start
             duplicates = []
             for entry_id, group in fresh:
                 if group.group_id in trained_group_ids or group.group_id in seen:
                     duplicates.append(entry_id)
+                elif reject is not None and (reason := reject(group)) is not None:
+                    self._rejected.append((entry_id, group.group_id, reason))
+                    seen.add(group.group_id)
                 else:
                     seen.add(group.group_id)
                     entries.append((entry_id, group))
-            self.buffer.ack(duplicates)
+            self.ack(duplicates)
         batch = pack_groups(
             entries, self.normalize_std, self.max_tokens_per_microbatch, self.pad_id,
             self.packed,

@@ -6,11 +6,18 @@ weight-sync callable. The policy is injected too, so the same loop drives the me
 (service.py) and tiny torch models (tests). Entries are acked only after the checkpoint
 covering them is durable; on start the loop resumes from the newest checkpoint and re-reads
 what it had not covered.
+
+A failed weight sync never ends the loop: the same version is pushed again with backoff
+(phase `degraded` meanwhile; the weight sync forms its group afresh after a failure), until it
+lands or the loop is stopped. While it waits for groups the loop also asks `needs_weights`
+(the rollout restarted and its engines hold no current weights) and pushes a new version
+then, so a restarted rollout never waits for a step that waits for its groups.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -33,7 +40,10 @@ from services.trainer.step import DataShard
 WeightSyncFn = Callable[[int], Any]
 #: Called with each batch right before it is trained (rank 0 hands it to the other ranks).
 OnStepFn = Callable[[RolloutBatch], Any]
+#: Whether the engines lack the trainer's current weights (asked while waiting for groups).
+NeedsWeightsFn = Callable[[], bool]
 _SYNC_MARKER = "weight_version_sent.json"
+log = logging.getLogger(__name__)
 
 
 class TrainerLoop:
@@ -51,6 +61,7 @@ class TrainerLoop:
         on_step: OnStepFn | None = None,
         shard: DataShard | None = None,
         device: torch.device | None = None,
+        needs_weights: NeedsWeightsFn | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -62,6 +73,9 @@ class TrainerLoop:
         self.on_step = on_step
         self.shard = shard
         self.device = device or torch.device("cpu")  # where the policy's parameters live
+        self.needs_weights = needs_weights
+        self._should_stop: Callable[[], bool] = lambda: False
+        self._next_weights_check = 0.0
         self.train_step = train_step_for(config.parallel)
         self.state = TrainerState()
         self.recovery: Recovery | None = None
@@ -69,12 +83,15 @@ class TrainerLoop:
         self.unpaused.set()
 
     def run(self, should_stop: Callable[[], bool]) -> TrainerState:
+        self._should_stop = should_stop
         self._resume()
         while not should_stop() and not self._reached_max_steps():
             if not self.unpaused.wait(timeout=0.2):
                 continue
             self.stats.set_phase("waiting")
-            batch = self.stream.next_batch(should_stop, self._trained)  # read (blocks)
+            batch = self.stream.next_batch(should_stop, self._known, self._reject,
+                                           self._while_waiting)                 # read (blocks)
+            self._take_rejected()
             if batch is None:
                 break
             self.stats.set_phase("training")
@@ -107,7 +124,8 @@ class TrainerLoop:
         self.checkpointer.discard_incomplete()
         self.state = self.checkpointer.load(self.policy) or TrainerState()
         self._trained = set(self.state.trained_group_ids)
-        self.recovery = self.stream.recover(self.state.unacked_entry_ids, self._trained)
+        self._known = self._trained | set(self.state.dropped_groups)
+        self.recovery = self.stream.recover(self.state.unacked_entry_ids, self._known)
         self.state.unacked_entry_ids = []
         sent = self._read_sync_marker()
         if self.sync and sent > self.state.weight_version:
@@ -120,6 +138,7 @@ class TrainerLoop:
         self.state.step += 1
         self.state.trained_group_ids += batch.group_ids
         self._trained.update(batch.group_ids)
+        self._known.update(batch.group_ids)
         self.state.unacked_entry_ids += batch.entry_ids
         self.state.num_samples += batch.num_samples
         self.state.num_tokens += batch.num_tokens
@@ -137,9 +156,67 @@ class TrainerLoop:
         start = time.monotonic()
         self.stats.set_phase("syncing")
         self.state.weight_version += 1
-        self._write_sync_marker(self.state.weight_version)
-        self.sync(self.state.weight_version)
+        self._write_sync_marker(self.state.weight_version)  # once per version, not per try
+        self._push(self.state.weight_version)
         return time.monotonic() - start
+
+    def _push(self, version: int) -> None:
+        """Push `version` until it lands; back off while it fails; give up only on stop."""
+        assert self.sync is not None
+        ws = self.config.weight_sync
+        delay, attempt = ws.retry_initial_s, 0
+        while True:
+            attempt += 1
+            try:
+                self.sync(version)
+                self.stats.sync_succeeded(version)
+                return
+            except Exception as exc:  # any failure: the engines keep the previous weights
+                log.warning("weight sync v%d failed (attempt %d), retrying in %.1fs: %s",
+                            version, attempt, delay, exc)
+                self.stats.sync_failed(version, f"{type(exc).__name__}: {exc}")
+            deadline = time.monotonic() + delay
+            while time.monotonic() < deadline:
+                if self._should_stop():
+                    log.warning("stopping with weight sync v%d not delivered", version)
+                    return
+                time.sleep(min(0.2, delay))
+            delay = min(delay * 2, ws.retry_max_s)
+
+    def _while_waiting(self) -> None:
+        """Between blocking reads: push weights when the engines lack the current ones."""
+        if self.sync is None or self.needs_weights is None:
+            return
+        now = time.monotonic()
+        if now < self._next_weights_check:
+            return
+        self._next_weights_check = now + self.config.weight_sync.check_interval_s
+        try:
+            needed = self.needs_weights()
+        except Exception as exc:  # the rollout is away: nothing to push to yet
+            log.debug("asking whether the engines need weights failed: %s", exc)
+            return
+        if needed:
+            log.info("the engines lack weight version %d: pushing the current weights",
+                     self.state.weight_version)
+            self._sync()
+            self.stats.set_phase("waiting")
+
+    def _reject(self, group: Any) -> str | None:
+        """Why a group must not be trained (None: train it): older than max_staleness."""
+        bound = self.config.max_staleness
+        if bound is not None and self.state.weight_version - group.min_weight_version > bound:
+            return "stale"
+        return None
+
+    def _take_rejected(self) -> None:
+        """Groups the stream left out: recorded with their reason, acked with the next
+        checkpoint (so a crash before it re-reads and re-judges them, never loses them)."""
+        for entry_id, group_id, reason in self.stream.take_rejected():
+            self.state.dropped_groups[group_id] = reason
+            self._known.add(group_id)
+            self.state.unacked_entry_ids.append(entry_id)
+            self.stats.group_dropped(reason)
 
     def _marker_path(self) -> Path:
         return self.checkpointer.directory / _SYNC_MARKER

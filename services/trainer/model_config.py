@@ -125,6 +125,17 @@ class WeightSyncConfig(StrictModel):
         default_factory=list, description="engine base URLs for mode=direct"
     )
     timeout_s: float = Field(600.0, gt=0, description="limit for one whole weight update")
+    retry_initial_s: float = Field(
+        1.0, gt=0, le=600, description="wait before retrying a failed sync (doubles each try)"
+    )
+    retry_max_s: float = Field(
+        30.0, gt=0, le=3600, description="longest wait between two tries of a failed sync"
+    )
+    check_interval_s: float = Field(
+        5.0, gt=0, le=3600,
+        description="while waiting for groups, how often to ask whether the engines need "
+        "the current weights (a restarted rollout service)",
+    )
 
     @model_validator(mode="after")
     def _check_targets(self) -> WeightSyncConfig:

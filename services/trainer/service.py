@@ -150,13 +150,27 @@ class TrainerRuntime(ServiceRuntime):
                 return weight_sync.sync(built.model, built.shape, version)
 
         checkpointer = Checkpointer(c.checkpoint.dir, c.checkpoint.num_kept)
-        return TrainerLoop(
+        loop: Any = None
+        needs_weights = None
+        asker = getattr(weight_sync, "needs_weights", None)  # only the rollout-driven sync
+        if asker is not None:
+            needs_weights = lambda: asker(loop.state.weight_version)  # noqa: E731
+        loop = TrainerLoop(
             c, policy, stream, checkpointer, sync, built.reference, stats=self.stats,
             on_step=on_step, shard=built.shard, device=built.device,
+            needs_weights=needs_weights,
         )  # fmt: skip
+        return loop
 
     def ready(self) -> bool:
         return self.error is None and self.stats.phase not in ("starting", "building", "failed")
+
+    def lifecycle(self) -> str:
+        """`degraded` while a failed weight sync is being retried (the loop is alive and
+        trains nothing until it lands); otherwise as every service."""
+        if self.stats.phase == "degraded" and not self.paused:
+            return "degraded"
+        return super().lifecycle()
 
     async def stop(self) -> None:
         self._stop.set()
@@ -181,6 +195,7 @@ class TrainerRuntime(ServiceRuntime):
                 step=s.step,
                 weight_version=s.weight_version,
                 num_groups_trained=len(s.trained_group_ids),
+                num_groups_dropped=len(s.dropped_groups),
                 num_unacked_entries=len(s.unacked_entry_ids),
                 recovery=asdict(self.loop.recovery) if self.loop.recovery else None,
             )

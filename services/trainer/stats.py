@@ -60,13 +60,36 @@ class TrainerStats:
         self.total_step_s = 0.0
         self.total_tokens = 0
         self.phase = "starting"
+        self.sync_failures = 0          # failed weight-sync tries, whole run
+        self.last_sync_error: str | None = None
+        self.dropped_groups: dict[str, int] = {}  # groups read but not trained, by reason
         self._gauges = {k: gauge(f"riptide_trainer_{k}", doc) for k, doc in _GAUGES.items()}
         self._steps = counter("riptide_trainer_steps", "optimizer steps taken")
         self._tokens = counter("riptide_trainer_tokens", "tokens trained")
+        self._sync_failures = counter("riptide_trainer_weight_sync_failures",
+                                      "weight-sync tries that failed (each is retried)")
 
     def set_phase(self, phase: str) -> None:
         with self._lock:
             self.phase = phase
+
+    def sync_failed(self, version: int, error: str) -> None:
+        """A weight-sync try failed: the trainer is `degraded` until one lands."""
+        with self._lock:
+            self.phase = "degraded"
+            self.sync_failures += 1
+            self.last_sync_error = f"v{version}: {error[:500]}"
+        self._sync_failures.inc()
+
+    def sync_succeeded(self, version: int) -> None:
+        with self._lock:
+            self.last_sync_error = None
+            if self.phase == "degraded":
+                self.phase = "syncing"
+
+    def group_dropped(self, reason: str) -> None:
+        with self._lock:
+            self.dropped_groups[reason] = self.dropped_groups.get(reason, 0) + 1
 
     def record(self, rec: StepRecord) -> None:
         with self._lock:
@@ -107,6 +130,9 @@ class TrainerStats:
                 "total_wait_s": round(self.total_wait_s, 3),
                 "total_step_s": round(self.total_step_s, 3),
                 "total_tokens": self.total_tokens,
+                "sync_failures": self.sync_failures,
+                "last_sync_error": self.last_sync_error,
+                "dropped_groups": dict(self.dropped_groups),
                 "last_step": None,
             }
             if rec is not None:

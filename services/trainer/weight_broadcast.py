@@ -116,6 +116,15 @@ class TrainerEnd:
         self.group_name = _fresh_group_name(self.config.group_name)
         self.port = self.config.master_port or free_port(self.config.master_address)
 
+    def reset(self) -> None:
+        """After a failed update: leave the group and rendezvous under a fresh name and
+        port next time, so the engines' side forms the group again too."""
+        try:
+            self.leave()
+        except Exception:  # a broken group may refuse to be destroyed: drop it anyway
+            self.group = None
+        self._abandon()
+
     def leave(self) -> None:
         if self.group is not None:
             weight_group.destroy_process_group(self.group)

@@ -214,8 +214,6 @@ class RolloutWeightSync(_SyncBase):
     def _send(self, buckets: Iterator[tuple[Bucket, bool]], version: int) -> tuple[int, int, int]:
         import queue
 
-        from services._proto.riptide.v1 import rollout_pb2 as pb
-
         requests: queue.Queue[Any] = queue.Queue()
         events = self.stub.UpdateWeights(iter(requests.get, None), timeout=self.config.timeout_s)
         # Completes when the stream ends: mid-update that means the rollout side failed.
@@ -232,37 +230,61 @@ class RolloutWeightSync(_SyncBase):
             return getattr(event, kind)
 
         try:
-            requests.put(pb.WeightUpdateRequest(begin=pb.WeightUpdateBegin(
-                weight_version=version, master_address=self.config.master_address,
-                master_port=self.end.port, group_name=self.end.group_name,
-                backend=self.end.backend)))
-            group = expect("group")
-            if group.trainer_must_join:
-                self.end.join(group.world_size, watch)
-            elif self.end.group is None:
-                raise Conflict("rollout says the weight-update group exists, but this trainer "
-                               "never joined it; the next update forms it again")
-            num_buckets = num_tensors = num_bytes = 0
-            for index, (bucket, _) in enumerate(buckets):
-                names, dtypes, shapes = bucket_specs(bucket)
-                specs = [pb.TensorSpec(name=n, dtype=d, shape=s)
-                         for n, d, s in zip(names, dtypes, shapes, strict=True)]
-                requests.put(pb.WeightUpdateRequest(
-                    bucket=pb.WeightBucket(bucket_index=index, tensors=specs)))
-                self.end.broadcast(bucket, watch)
-                loaded = expect("bucket_loaded")
-                if loaded != index:
-                    raise Conflict(f"rollout loaded bucket {loaded}, expected {index}")
-                n, size = _count(bucket)
-                num_buckets, num_tensors, num_bytes = (num_buckets + 1, num_tensors + n,
-                                                       num_bytes + size)
-            requests.put(pb.WeightUpdateRequest(commit=pb.WeightUpdateCommit()))
-            committed = expect("committed")
-            if committed != version:
-                raise Conflict(f"rollout committed v{committed}, expected v{version}")
+            return self._stream(requests, expect, watch, buckets, version)
+        except BaseException:
+            events.cancel()
+            self.end.reset()  # the next try forms the weight-update group afresh
+            raise
         finally:
             requests.put(None)
+
+    def _stream(self, requests: Any, expect: Any, watch: Watch,
+                buckets: Iterator[tuple[Bucket, bool]], version: int) -> tuple[int, int, int]:
+        from services._proto.riptide.v1 import rollout_pb2 as pb
+
+        requests.put(pb.WeightUpdateRequest(begin=pb.WeightUpdateBegin(
+            weight_version=version, master_address=self.config.master_address,
+            master_port=self.end.port, group_name=self.end.group_name,
+            backend=self.end.backend)))
+        group = expect("group")
+        if group.trainer_must_join:
+            self.end.join(group.world_size, watch)
+        elif self.end.group is None:
+            raise Conflict("rollout says the weight-update group exists, but this trainer "
+                           "never joined it; the next update forms it again")
+        num_buckets = num_tensors = num_bytes = 0
+        for index, (bucket, _) in enumerate(buckets):
+            names, dtypes, shapes = bucket_specs(bucket)
+            specs = [pb.TensorSpec(name=n, dtype=d, shape=s)
+                     for n, d, s in zip(names, dtypes, shapes, strict=True)]
+            requests.put(pb.WeightUpdateRequest(
+                bucket=pb.WeightBucket(bucket_index=index, tensors=specs)))
+            self.end.broadcast(bucket, watch)
+            loaded = expect("bucket_loaded")
+            if loaded != index:
+                raise Conflict(f"rollout loaded bucket {loaded}, expected {index}")
+            n, size = _count(bucket)
+            num_buckets, num_tensors, num_bytes = (num_buckets + 1, num_tensors + n,
+                                                   num_bytes + size)
+        requests.put(pb.WeightUpdateRequest(commit=pb.WeightUpdateCommit()))
+        committed = expect("committed")
+        if committed != version:
+            raise Conflict(f"rollout committed v{committed}, expected v{version}")
         return num_buckets, num_tensors, num_bytes
+
+    def needs_weights(self, version: int) -> bool:
+        """Whether the rollout service's engines lack weight version `version` (it restarted,
+        or an engine came back with its initial weights and waits for an update)."""
+        import json
+
+        from google.protobuf import json_format
+
+        from services._proto.riptide.v1 import common_pb2
+
+        status = self.stub.GetStatus(common_pb2.StatusRequest(), timeout=10.0)
+        details = json.loads(json_format.MessageToJson(status.details))
+        held = details.get("weight_version")
+        return bool(details.get("needs_weights")) or (held is not None and held < version)
 
     def close(self) -> None:
         self.end.leave()

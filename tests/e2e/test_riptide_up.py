@@ -142,3 +142,32 @@ def test_a_service_failing_at_start_stops_the_stack_with_its_error(tmp_path: Pat
     assert str(tmp_path / "absent") in result.stderr
     assert time.monotonic() - started < 120
     assert "[up] stopped" in result.stdout
+
+
+def _up_steps(run_dir: Path, steps: int, log: Path) -> str:
+    up = process.spawn([sys.executable, "-m", "services.cli", "up", "--dir", str(run_dir),
+                        "--steps", str(steps)], log_path=log)
+    try:
+        assert up.wait(420) == 0, log.read_text()[-4000:]
+    finally:
+        process.stop(up)
+    return log.read_text()
+
+
+def test_up_twice_in_one_dir_resumes_the_run(tmp_path: Path) -> None:
+    """What `make demo` twice does: the second run resumes from the first one's checkpoint and
+    stream (the trainer's first sync goes to a rollout service not up yet) and says so."""
+    import json
+
+    run_dir = tmp_path / "stack"
+    first = _up_steps(run_dir, 1, tmp_path / "up1.log")
+    assert "[up] starting a fresh run" in first
+    second = _up_steps(run_dir, 1, tmp_path / "up2.log")
+    resumed = next(line for line in second.splitlines() if "[up] resuming the run" in line)
+    step = int(resumed.split("checkpoint at step ")[1].split()[0])
+    assert step >= 1
+    summary = json.loads(next(line for line in second.splitlines()
+                              if line.startswith('{"riptide_up_summary"')))["riptide_up_summary"]
+    assert summary["steps"] >= step + 1
+    assert summary["weight_version"] > step  # the resume pushed a version never used before
+    assert "died" not in second  # nothing crashed on the way

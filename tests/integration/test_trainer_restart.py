@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -35,14 +32,6 @@ from services.trainer.policy import ModelPolicy
 
 ADMIN = "admin-token-123"
 RUN = "restart"
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    # Not tmp_path: concurrent pytest sessions prune each other's old basetemp dirs.
-    path = Path(tempfile.mkdtemp(prefix="riptide-trainer-test-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _produce(buffer: SampleBuffer, indices: range) -> list[str]:

@@ -322,3 +322,94 @@ def test_a_full_buffer_stops_admission_until_the_trainer_reads() -> None:
         await sched.stop(flush_timeout_s=0)
 
     run_virtual(main())
+
+
+def test_a_rejected_put_is_a_counted_drop_not_a_written_group() -> None:
+    """A sink that already holds the id (a collision) refuses it: counted, budget returned."""
+
+    async def main() -> None:
+        sink = MemorySink()
+        sink.seen.add("t-g000001")  # another incarnation wrote this id
+        sched, _ = make(ScriptedRunner(), sink=sink, max_concurrent_samples=4)
+        await sched.start()
+        await asyncio.sleep(2.5)
+        await sched.stop()
+        state = sched.state()
+        assert state["sink_rejected"] == 1
+        assert state["dropped_groups"]["rejected_duplicate_id"] == 1
+        assert state["written_groups"] == len(sink) >= 1
+        assert "t-g000001" not in [g.group_id for g in sink.groups]
+
+    run_virtual(main())
+
+
+def test_a_put_refused_after_a_failed_try_counts_as_written() -> None:
+    """The first try landed but its reply was lost: the retry's refusal is that write."""
+
+    class LostReplySink(MemorySink):
+        lost = 1
+
+        async def put(self, group: common_pb2.Group) -> bool:
+            written = await super().put(group)
+            if self.lost:
+                self.lost -= 1
+                raise ConnectionError("reply lost")
+            return written
+
+    async def main() -> None:
+        sched, sink = make(ScriptedRunner(), sink=LostReplySink(), max_concurrent_samples=4)
+        await sched.start()
+        await asyncio.sleep(2.5)
+        await sched.stop()
+        assert sched.stats.sink_errors == 1 and sched.stats.sink_rejected == 0
+        assert sched.stats.written_groups == len(sink)
+
+    run_virtual(main())
+
+
+def test_groups_already_in_the_stream_count_against_the_staleness_budget() -> None:
+    """A restarted scheduler with 8 samples' worth of groups ahead of it in the stream."""
+
+    async def main() -> None:
+        cfg = SchedulerConfig(max_concurrent_samples=100, n_samples_per_prompt=4,
+                              num_groups_per_batch=2, max_staleness=0)
+        sink, runner = MemorySink(), ScriptedRunner()
+        sched = Scheduler(cfg, TaskCycle(["a"]), runner, sink, id_prefix="t",
+                          backlog_samples=8)
+        await sched.start()
+        await asyncio.sleep(5)
+        assert sched.stats.submitted_samples == 0  # the backlog fills this version's batch
+        runner.version = 1
+        sched.set_weight_version(1)
+        await asyncio.sleep(5)
+        assert sched.stats.submitted_samples == 8 and len(sink) == 2
+        await sched.stop()
+
+    run_virtual(main())
+
+
+def test_no_admission_while_no_engine_holds_current_weights() -> None:
+    async def main() -> None:
+        ready = False
+        cfg = SchedulerConfig(max_concurrent_samples=8, n_samples_per_prompt=4,
+                              num_groups_per_batch=2, max_staleness=None)
+        sched = Scheduler(cfg, TaskCycle(["a"]), ScriptedRunner(), MemorySink(),
+                          can_generate=lambda: ready)
+        await sched.start()
+        await asyncio.sleep(3)
+        assert sched.stats.submitted_samples == 0
+        ready = True
+        sched.config_changed()
+        await asyncio.sleep(0.1)
+        assert sched.in_flight == 8
+        await sched.stop()
+
+    run_virtual(main())
+
+
+def test_default_group_ids_of_two_schedulers_never_collide() -> None:
+    cfg = SchedulerConfig(max_concurrent_samples=8, n_samples_per_prompt=4,
+                          num_groups_per_batch=2)
+    prefixes = {Scheduler(cfg, TaskCycle(["a"]), ScriptedRunner(), MemorySink())._prefix
+                for _ in range(200)}
+    assert len(prefixes) == 200 and all(len(p.split("-")[-1]) == 32 for p in prefixes)

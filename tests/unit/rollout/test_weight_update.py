@@ -13,6 +13,7 @@ from services.common.engine_client import EngineCallError
 from services.common.engine_contract import EngineLoad
 from services.rollout.config import FleetConfig, WeightUpdateConfig
 from services.rollout.fleet import EngineFleet
+from services.rollout.router_link import RouterView
 from services.rollout.weight_update import WeightUpdateCoordinator, WeightUpdateFailed
 
 URLS = ["http://e0:1", "http://e1:1", "http://e2:1"]
@@ -77,6 +78,10 @@ class FakeRouter:
     def __init__(self) -> None:
         self.registered: list[str] = []
         self.versions: list[int] = []
+        self.version: int | None = None
+
+    async def view(self) -> RouterView:
+        return RouterView(frozenset(self.registered), self.version)
 
     async def register(self, url: str) -> None:
         self.registered.append(url)
@@ -86,6 +91,7 @@ class FakeRouter:
 
     async def set_weight_version(self, version: int) -> None:
         self.versions.append(version)
+        self.version = version
 
 
 async def _setup() -> tuple[WeightUpdateCoordinator, FakeEngines, FakeRouter, list[int]]:
@@ -146,7 +152,7 @@ def test_first_update_forms_the_group_then_later_ones_reuse_it() -> None:
     asyncio.run(main())
 
 
-def test_failed_bucket_leaves_engines_paused_and_names_engine_and_step() -> None:
+def test_failed_bucket_names_engine_and_step_and_leaves_no_engine_paused() -> None:
     async def main() -> None:
         coordinator, engines, router, committed = await _setup()
         await _events(coordinator, _stream(1, 1))
@@ -155,16 +161,47 @@ def test_failed_bucket_leaves_engines_paused_and_names_engine_and_step() -> None
         with pytest.raises(WeightUpdateFailed) as info:
             await _events(coordinator, _stream(2, 3))
         message = str(info.value)
-        assert URLS[2] in message and "bucket 0" in message and "left paused" in message
-        assert not engines.steps("continue") and not engines.steps("version")
-        assert coordinator.engines_paused and router.versions == [1] and committed == [1]
-        assert coordinator.history[-1]["status"] == "failed"
-        # the next update forms the group again and then resumes
+        assert URLS[2] in message and "bucket 0" in message
+        assert not engines.steps("version") and router.versions == [1] and committed == [1]
+        # Their weights may be mixed: out of the router, generating nothing routed, not paused.
+        assert len(engines.steps("continue")) == 3 and not coordinator.engines_paused
+        assert router.registered == [] and coordinator.fleet.needs_weights
+        assert coordinator.history[-1]["status"] == "failed" and coordinator.abandoned == 1
+        # the next update forms the group again, sends everything and registers them again
         engines.fail.clear()
         engines.calls.clear()
         events = await _events(coordinator, _stream(2, 1))
         assert events[0] == ("group", (8, True)) and len(engines.steps("init")) == 3
         assert len(engines.steps("continue")) == 3 and not coordinator.engines_paused
+        assert sorted(router.registered) == sorted(URLS) and not coordinator.fleet.needs_weights
+
+    asyncio.run(main())
+
+
+def test_trainer_vanishing_mid_update_leaves_no_engine_paused() -> None:
+    async def main() -> None:
+        coordinator, engines, router, _ = await _setup()
+        await _events(coordinator, _stream(1, 1))
+        engines.calls.clear()
+        with pytest.raises(WeightUpdateFailed, match="before Commit after 2 buckets"):
+            await _events(coordinator, _stream(2, 2, commit=False))
+        assert len(engines.steps("continue")) == 3 and not coordinator.engines_paused
+        assert router.registered == [] and coordinator.fleet.needs_weights
+
+    asyncio.run(main())
+
+
+def test_a_restarted_router_gets_the_engines_and_the_version_back() -> None:
+    async def main() -> None:
+        coordinator, engines, router, _ = await _setup()
+        await _events(coordinator, _stream(1, 1))
+        assert sorted(router.registered) == sorted(URLS) and router.versions == [1]
+        router.registered.clear()        # the router restarted: it holds nothing
+        router.version = None
+        assert await coordinator.fleet.reconcile_router() == 3
+        assert sorted(router.registered) == sorted(URLS) and router.versions == [1, 1]
+        assert await coordinator.fleet.reconcile_router() == 0  # nothing missing: no calls
+        assert router.versions == [1, 1]
 
     asyncio.run(main())
 
