@@ -56,9 +56,6 @@ ENGINE_COMMON = {
 }
 #: Reference settings Riptide has no setting for yet: (reference row, the setting it needs).
 RIPTIDE_LACKS = [
-    ("trainer recompute: full, uniform, 1 layer",
-     "trainer activation recomputation (recompute_granularity=full, recompute_method=uniform,"
-     " recompute_num_layers=1)"),
     ("eval every 10 steps on a disjoint task set, 2 samples a task",
      "rollout eval interval and eval task set (eval_interval_steps, eval_task_ids,"
      " eval_n_samples_per_prompt)"),
@@ -276,7 +273,9 @@ def deployment(args: argparse.Namespace, nodes: list[str], admin_token: str) -> 
                                   "stream_optimizer_state_to_disk": str(args.optimizer_dir),
                                   "bucket_mb": 200e6 * 4 / 2**20,  # 200M fp32 elements
                                   "moments_dtype": "float32"},
-                    "model": {"hf_path": str(args.model_dir), "dtype": "bfloat16"},
+                    "model": {"hf_path": str(args.model_dir), "dtype": "bfloat16",
+                              "recompute_granularity": "full", "recompute_method": "uniform",
+                              "recompute_num_layers": 1},
                     "parallel": {"tensor_parallel": args.tp, "sequence_parallel": args.tp > 1,
                                  "pipeline_parallel": args.pp, "context_parallel": args.cp,
                                  "expert_parallel": args.ep,

@@ -111,9 +111,12 @@ REFERENCE = [
     ("auto-stop after 30 min idle", "sandbox.provider.auto_stop_interval_min", 30),
     ("auto-delete 120 min later", "sandbox.provider.auto_delete_interval_min", 120),
     ("one snapshot per task image", "sandbox.provider.use_snapshots", True),
+    ("full activation recompute", "trainer.model.recompute_granularity", "full"),
+    ("recompute method uniform", "trainer.model.recompute_method", "uniform"),
+    ("recompute 1 layer per group", "trainer.model.recompute_num_layers", 1),
 ]
 #: Rows with no Riptide setting: each must be named in the plan.
-LACKING = ["recompute_granularity=full", "eval_interval_steps",
+LACKING = ["eval_interval_steps",
            "per-pipeline-stage weight-update groups", "staging buffer", "end-only checkpoints",
            "resource floors", "ready timeout", "keepalive", "rollout-only scoring mode"]
 
