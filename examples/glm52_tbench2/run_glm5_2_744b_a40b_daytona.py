@@ -313,7 +313,10 @@ def _smoke(config: dict[str, Any], args: argparse.Namespace) -> None:
                                     "default_command_timeout_s": 10.0})
     config["rollout"]["scheduler"].update(max_concurrent_samples=8, n_samples_per_prompt=4,
                                           num_groups_per_batch=2, max_new_tokens=32,
-                                          temperature=1.0, max_staleness=4)
+                                          temperature=1.0, max_staleness=4,
+                                          # A random tiny model never scores: keep its
+                                          # zero-variance groups, or nothing would train.
+                                          drop_zero_variance_groups=False)
     config["rollout"]["fleet"].update(model_path=model, sglang={})
     config["engine"] = {"model_path": model}
     trainer = config["trainer"]
