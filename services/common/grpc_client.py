@@ -11,32 +11,42 @@ from services.common.grpc_server import TOKEN_METADATA_KEY
 _MB = 1024 * 1024
 
 
-class _TokenClientInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
+class _WithToken:
+    """Adds the bearer token to a call's metadata."""
+
     def __init__(self, token: str) -> None:
         self._pair = (TOKEN_METADATA_KEY, f"Bearer {token}")
 
     def _with_token(self, details: Any) -> Any:
-        metadata = list(details.metadata or ()) + [self._pair]
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
         return details._replace(metadata=metadata)
 
+
+# One class per call kind: grpc.aio files each interceptor under the first kind it is an
+# instance of, so one class of all four kinds would reach unary-unary calls only.
+class _UnaryUnaryToken(_WithToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._with_token(details), request)
 
+
+class _UnaryStreamToken(_WithToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._with_token(details), request)
 
+
+class _StreamUnaryToken(_WithToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any,
                                      request_iterator: Any) -> Any:
         return await continuation(self._with_token(details), request_iterator)
 
+
+class _StreamStreamToken(_WithToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any,
                                       request_iterator: Any) -> Any:
         return await continuation(self._with_token(details), request_iterator)
+
+
+_TOKEN_INTERCEPTORS = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)
 
 
 def _options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -47,7 +57,7 @@ def _options(max_message_mb: int) -> list[tuple[str, int]]:
 def aio_channel(address: str, token: str | None = None,
                 max_message_mb: int = 256) -> grpc.aio.Channel:
     """An asyncio channel to `address` (host:port) that sends `token` when one is set."""
-    interceptors = [_TokenClientInterceptor(token)] if token else None
+    interceptors = [kind(token) for kind in _TOKEN_INTERCEPTORS] if token else None
     return grpc.aio.insecure_channel(address, options=_options(max_message_mb),
                                      interceptors=interceptors)
 

@@ -112,6 +112,10 @@ class _RecordingRouter(router_pb2_grpc.RouterServicer):
         self.calls.append("SetWeightVersion")
         return router_pb2.SetWeightVersionResponse()
 
+    async def EndSession(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.calls.append("EndSession")
+        return router_pb2.EndSessionResponse()
+
     async def GetStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
         self.calls.append("Router.GetStatus")
         return common_pb2.ServiceStatus(service="probe")

@@ -23,6 +23,7 @@ from services._proto.riptide.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
+from services.common.grpc_client import aio_channel, sync_channel
 from services.common.grpc_server import call_metadata
 from services.testing.probe_service import ProbeProcess, probe_process
 from services.testing.router_process import RouterProcess, router_with_engine
@@ -105,6 +106,52 @@ def test_with_the_token_every_method_reaches_its_handler(probe: ProbeProcess) ->
     names = [m.name if m.name != "GetStatus" else f"{m.containing_service.name}.GetStatus"
              for m in recording]
     assert reached == names
+
+
+async def _aio_call(channel: grpc.aio.Channel, method: MethodDescriptor, payload: bytes) -> None:
+    kind, path = (method.client_streaming, method.server_streaming), _path(method)
+    if kind == (False, False):
+        await channel.unary_unary(path)(payload, timeout=10)
+    elif kind == (False, True):
+        async for _ in channel.unary_stream(path)(payload, timeout=10):
+            pass
+    elif kind == (True, False):
+        await channel.stream_unary(path)(iter([payload]), timeout=10)
+    else:
+        async for _ in channel.stream_stream(path)(iter([payload]), timeout=10):
+            pass
+
+
+def test_riptide_channels_send_the_token_on_every_call_shape(probe: ProbeProcess) -> None:
+    """The channels services use (no metadata given by the caller) carry the token on unary
+    and streaming calls alike, asyncio and blocking."""
+    import asyncio
+
+    recording = [m for m in METHODS if m.containing_service.name in ("Router", "Rollout")]
+    assert {(m.client_streaming, m.server_streaming) for m in recording} >= {
+        (False, False), (True, True)}
+    empty_update = rollout_pb2.WeightUpdateRequest(commit=rollout_pb2.WeightUpdateCommit())
+
+    def payload(method: MethodDescriptor) -> bytes:
+        return empty_update.SerializeToString() if method.client_streaming else b""
+
+    async def through_aio() -> None:
+        channel = aio_channel(probe.grpc, TOKEN)
+        try:
+            for method in recording:
+                await _aio_call(channel, method, payload(method))
+        finally:
+            await channel.close()
+
+    names = [m.name if m.name != "GetStatus" else f"{m.containing_service.name}.GetStatus"
+             for m in recording]
+    asyncio.run(through_aio())
+    assert _calls(probe)[-len(recording):] == names
+    channel = sync_channel(probe.grpc, TOKEN)
+    for method in recording:
+        _call(channel, method, payload(method))
+    channel.close()
+    assert _calls(probe)[-len(recording):] == names
 
 
 def test_non_finite_numbers_anywhere_in_a_message_are_refused(probe: ProbeProcess) -> None:
