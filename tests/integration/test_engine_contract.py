@@ -219,7 +219,10 @@ def test_n_logit_bias_and_top_logprobs(engine: EngineProcess) -> None:
 
 
 def test_weight_versions_span_an_in_place_update(engine: EngineProcess) -> None:
-    body = {"input_ids": [4, 2], "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}}
+    # Long enough that the pause lands mid-request even when the machine is busy.
+    new_tokens = 600
+    body = {"input_ids": [4, 2],
+            "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True}}
     running = Background(engine.url, body)
     wait_running(engine)
     time.sleep(0.2)
@@ -231,7 +234,7 @@ def test_weight_versions_span_an_in_place_update(engine: EngineProcess) -> None:
     spans = meta["weight_versions"]
     assert [s["version"] for s in spans] == ["default", "v2"] and meta["weight_version"] == "v2"
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
-    assert spans[1]["end"] == meta["completion_tokens"] == 120
+    assert spans[1]["end"] == meta["completion_tokens"] == new_tokens
     # 0.5.23's default: a version bump aborts what runs
     running = Background(engine.url, body)
     wait_running(engine)
