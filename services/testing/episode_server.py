@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import signal
 import time
@@ -27,6 +28,7 @@ from services._proto.riptide.v1 import (
     sandbox_pb2,
     sandbox_pb2_grpc,
 )
+from services.common.grpc_client import aio_channel
 
 
 def prompt_ids(text: str) -> list[int]:
@@ -87,7 +89,8 @@ class EpisodeServicer(sandbox_pb2_grpc.SandboxServicer):
 
 
 async def _main(args: argparse.Namespace) -> None:
-    channel = grpc.aio.insecure_channel(args.router)
+    # The router's gRPC token, if the stack has one, from the environment (never argv).
+    channel = aio_channel(args.router, os.environ.get("RIPTIDE_GRPC_TOKEN"))
     server = grpc.aio.server()
     sandbox_pb2_grpc.add_SandboxServicer_to_server(EpisodeServicer(
         router_pb2_grpc.RouterStub(channel), args.tasks.split(","), args.turns,

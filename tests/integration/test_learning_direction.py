@@ -7,6 +7,7 @@ reward depends on one token raise that token's probability; with the reward's si
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -94,7 +95,8 @@ def test_steps_move_the_rewarded_token_the_advantage_s_way(tmp_path: Path,
              str(config.sandbox.grpc_port), "--router", config.router.grpc_address,
              "--tasks", "t", "--turns", "1", "--observation-tokens", "0", "--prompt", PROMPT,
              "--reward-token", str(token), "--reward-scale", str(reward_scale)],
-            log_path=logs / "sandbox.log", cwd=REPO)]
+            log_path=logs / "sandbox.log", cwd=REPO,
+            env={**os.environ, "RIPTIDE_GRPC_TOKEN": config.run.grpc_token or ""})]
         try:
             for name in ("router", "trainer", "rollout"):
                 children.append(process.spawn(
