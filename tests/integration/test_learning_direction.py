@@ -63,6 +63,7 @@ def _token_probability(engine_url: str, token: int) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a whole stack for three steps: minutes on a busy 2-core machine
 @pytest.mark.parametrize("reward_scale", [1.0, -1.0], ids=["rewarded", "sign-flipped"])
 def test_steps_move_the_rewarded_token_the_advantage_s_way(tmp_path: Path,
                                                            reward_scale: float) -> None:
