@@ -99,15 +99,20 @@ def test_steps_move_the_rewarded_token_the_advantage_s_way(tmp_path: Path,
             log_path=logs / "sandbox.log", cwd=REPO,
             env={**os.environ, "RIPTIDE_GRPC_TOKEN": config.run.grpc_token or ""})]
         try:
-            for name in ("router", "trainer", "rollout"):
+            def serve(name: str) -> None:
                 children.append(process.spawn(
                     [sys.executable, "-m", "services.cli", "serve", name, "--config", str(path)],
                     log_path=logs / f"{name}.log", cwd=REPO))
                 admin = getattr(config, name).admin_url
-                _until(lambda a=admin: httpx.get(f"{a}/readyz", timeout=2).status_code == 200,
+                _until(lambda: httpx.get(f"{admin}/readyz", timeout=2).status_code == 200,
                        f"{name} ready", logs)
+
+            serve("router")
+            serve("rollout")
             engine = _until(lambda: details("rollout").get("engines"), "an engine", logs)[0]
+            # Probed before the trainer starts, so no step can have reached the engine yet.
             before = _token_probability(engine["url"], token)
+            serve("trainer")
             _until(lambda: int(details("trainer").get("step", -1)) >= STEPS, f"{STEPS} steps",
                    logs, timeout_s=420)
             _until(lambda: details("rollout")["engines"][0]["weight_version"] >= STEPS,

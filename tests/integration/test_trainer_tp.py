@@ -313,7 +313,7 @@ def test_tp2_service_syncs_engine_directly(redis_url: str, workdir: Path) -> Non
                 time.sleep(0.2)
             assert last["weight_version"] == num_steps  # one sync after each step
             assert last["weight_sync_s"] > 0
-            version = engine.get("/get_weight_version").json()["weight_version"]
+            version = engine.get("/model_info").json()["weight_version"]
             assert version == str(last["weight_version"])
             out = engine.generate(PROMPT, return_logprob=True, sampling_params={
                 "max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True})
