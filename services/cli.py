@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--concurrency", type=int, default=4, help="episodes at once")
     ev.add_argument("--dir", type=Path, default=DEFAULT_RUN_DIR / "eval",
                     help="work directory: exported weights, engine log")
+    ev.add_argument("--engine-dtype", default="auto",
+                    choices=("auto", "float32", "bfloat16"),
+                    help="the engine's weights and KV dtype (auto: float32 on CPU)")
+    ev.add_argument("--engine-threads", type=int, default=None,
+                    help="the engine's CPU threads (default: the engine's own)")
 
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
@@ -173,7 +178,10 @@ def _eval(args: argparse.Namespace) -> int:
     from services.sandbox.server import load_tokenizer
 
     model_dir = _eval_model(args)
-    with running_engine(model_dir, args.dir / "engine.log") as url:
+    engine_args = ["--dtype", args.engine_dtype]
+    if args.engine_threads is not None:
+        engine_args += ["--num-threads", str(args.engine_threads)]
+    with running_engine(model_dir, args.dir / "engine.log", extra_args=engine_args) as url:
         async def run() -> dict[str, object]:
             model, provider = EngineModelClient(url), LocalProvider(LocalProviderConfig())
             try:

