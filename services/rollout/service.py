@@ -29,7 +29,7 @@ from services.common.service import ServiceRuntime
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
 from services.rollout.episodes import GroupSink, TaskCycle
-from services.rollout.evaluation import EvalQueue
+from services.rollout.evaluation import EvalQueue, eval_task_ids
 from services.rollout.fleet import EngineFleet
 from services.rollout.router_link import GrpcRouterLink, NoRouter
 from services.rollout.sandbox_runner import SandboxEpisodeRunner
@@ -111,7 +111,6 @@ class RolloutRuntime(ServiceRuntime):
 
     async def _score(self) -> None:
         """Score mode: one evaluation at the engines' weights, its result file, exit 0."""
-        from services.rollout.evaluation import eval_task_ids
         from services.rollout.scoring import score, write_result
 
         assert self._sandbox_channel is not None
@@ -166,14 +165,13 @@ class RolloutRuntime(ServiceRuntime):
     async def _start_scheduler(self, sink: GroupSink) -> None:
         assert self._sandbox_channel is not None
         runner = SandboxEpisodeRunner(self._sandbox_channel)
-        from services.rollout.evaluation import eval_task_ids
-
         listed = await self._list_tasks(runner)
         task_ids = list(self.config.task_ids) or listed
         held_out = eval_task_ids(self.config.eval, listed)
         task_ids = [t for t in task_ids if t not in set(held_out)]  # never trained on
         if not task_ids:
-            raise Unavailable("every task is a held-out eval task: none is left to train on")
+            raise ConfigError("every task is a held-out eval task (rollout.eval): none is "
+                              "left to train on")
         backlog = await self._backlog_groups()
         scheduler = Scheduler(self.config.scheduler, TaskCycle(task_ids, self.config.task_seed),
                               runner, sink, weight_version=self.fleet.current_version,
