@@ -165,7 +165,9 @@ class RolloutRuntime(ServiceRuntime):
     async def _start_scheduler(self, sink: GroupSink) -> None:
         assert self._sandbox_channel is not None
         runner = SandboxEpisodeRunner(self._sandbox_channel)
-        listed = await self._list_tasks(runner)
+        ev = self.config.eval
+        needs_list = not self.config.task_ids or ev.task_ids or ev.num_tasks
+        listed = await self._list_tasks(runner) if needs_list else list(self.config.task_ids)
         task_ids = list(self.config.task_ids) or listed
         held_out = eval_task_ids(self.config.eval, listed)
         task_ids = [t for t in task_ids if t not in set(held_out)]  # never trained on
