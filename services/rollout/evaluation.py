@@ -53,6 +53,7 @@ class EvalQueue:
         self._scheduled: set[int] = set()
         self._rewards: dict[int, dict[str, list[float]]] = {}
         self._no_verdict: dict[int, dict[str, int]] = {}
+        self._finish_reasons: dict[int, dict[str, list[str]]] = {}
         self._expected: dict[int, int] = {}
 
     @property
@@ -93,19 +94,22 @@ class EvalQueue:
         by_task.setdefault(request.task_id, []).append(trajectory.reward if scored else 0.0)
         missed = self._no_verdict.setdefault(version, {})
         missed[request.task_id] = missed.get(request.task_id, 0) + (0 if scored else 1)
+        reasons = self._finish_reasons.setdefault(version, {}).setdefault(request.task_id, [])
+        reasons.append(trajectory.finish_reason or ("scored" if scored else "no_verdict"))
 
     def pending(self) -> int:
         """Queued episodes not yet handed out."""
         return len(self._pending)
 
     def detail(self, version: int) -> dict[str, Any]:
-        """One evaluation in full: per task its success, rewards and episodes without
-        verdict; the mean success over tasks."""
+        """One evaluation in full: per task its success, rewards, episodes without verdict
+        and how each episode ended; the mean success over tasks."""
         threshold = self.config.success_threshold
         by_task = self._rewards.get(version, {})
         tasks: dict[str, dict[str, Any]] = {
             t: {"success": sum(r >= threshold for r in rs) / len(rs), "rewards": rs,
-                "no_verdict": self._no_verdict[version][t]}
+                "no_verdict": self._no_verdict[version][t],
+                "finish_reasons": self._finish_reasons[version][t]}
             for t, rs in sorted(by_task.items())}
         return {"weight_version": version, "num_tasks": len(tasks),
                 "num_samples": self.config.num_samples, "greedy": self.config.greedy,

@@ -51,5 +51,7 @@ def test_score_mode_scores_every_task_and_exits_0(tmp_path: Path) -> None:
     for task in TASKS:
         entry = result["tasks"][task]
         assert len(entry["rewards"]) == 2 and entry["no_verdict"] == 0, entry  # verified
+        # each episode took its one model turn (router -> engine) before the tests ran
+        assert entry["finish_reasons"] == ["max_turns", "max_turns"], entry
         assert entry["success"] == 0.0, "a random tiny model solves nothing"
     assert result["mean_success"] == 0.0 and result["no_verdict"] == 0

@@ -63,6 +63,8 @@ def test_one_evaluation_scores_every_task_with_bounded_concurrency() -> None:
         "solved": 1.0, "half": 0.5, "none": 0.0, "broken": 0.0}
     assert tasks["broken"]["no_verdict"] == 2 and result["no_verdict"] == 2
     assert tasks["half"]["rewards"] == [1.0, 0.0]
+    assert tasks["half"]["finish_reasons"] == ["scored", "scored"]
+    assert tasks["broken"]["finish_reasons"] == ["no_verdict", "no_verdict"]
     assert result["mean_success"] == pytest.approx(1.5 / 4)
     assert result["done"] == result["expected"] == 8
     assert all(p.temperature == pytest.approx(0.8) for p in runner.sampling)
