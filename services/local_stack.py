@@ -214,7 +214,9 @@ class LocalStack:
             events = self.supervisor.check()
         except GaveUp as exc:
             name = str(exc).split(" ", 1)[0]
-            raise GaveUp(f"{exc}; last log lines of {name}:\n{self.log_tail(name)}") from None
+            when = f"{name} failed while starting: " if starting else ""
+            raise GaveUp(f"{when}{exc}; last log lines of {name}:\n{self.log_tail(name)}"
+                         ) from None
         for event in events:
             when = " while starting" if starting else ""
             self.say(f"[up] {event.name} {event.kind}{when}: {event.detail}")

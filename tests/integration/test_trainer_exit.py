@@ -1,5 +1,7 @@
-"""`riptide serve trainer` whose loop fails ends the process with a non-zero code (its
-supervisor restarts it) instead of living on in phase `failed` with /readyz 503."""
+"""`riptide serve trainer` whose loop fails ends the process with a non-zero code instead of
+living on in phase `failed` with /readyz 503: here 2, a config error (no model at hf_path),
+which supervisors do not restart; any other failure exits 1 (tests/unit/trainer/
+test_service_exit.py), which they do."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_a_trainer_whose_loop_fails_exits_non_zero(tmp_path: Path) -> None:
+def test_a_trainer_without_its_model_exits_2(tmp_path: Path) -> None:
     grpc_port, admin_port, redis_port = free_ports(3)
     config = validate_config({
         "run": {"admin_token": "a-token-of-some-length", "log_format": "text"},
@@ -29,5 +31,6 @@ def test_a_trainer_whose_loop_fails_exits_non_zero(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "services.cli", "serve", "trainer",
                            "--config", str(path)], capture_output=True, text=True,
                           timeout=180, cwd=REPO)
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert "exiting with code 1: the training loop failed" in done.stderr
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "exiting with code 2: the training loop failed: ConfigError: trainer.model." \
+           f"hf_path: no Hugging Face model at {tmp_path / 'no-model-here'}" in done.stderr
