@@ -119,13 +119,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     server = importlib.import_module(f"services.{args.service}.server")
 
-    async def main() -> None:
+    async def main() -> int:
         # Built inside the loop: gRPC channels and tasks a runtime creates belong to it.
         runtime = server.build_runtime(config)
-        await serve(runtime, getattr(config, args.service), config.run)
+        return await serve(runtime, getattr(config, args.service), config.run)
 
-    asyncio.run(main())
-    return 0
+    return asyncio.run(main())
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -8,7 +8,9 @@ keeps dying stops the stack with a report. Everything stops (process groups, no 
 Ctrl-C, on SIGTERM, on such a give-up, or when the trainer reached `--steps` more steps.
 
 A run directory that already holds a checkpoint is resumed: the trainer continues from it and
-the stream in its Redis data; `riptide up` says which of the two it does.
+the stream in its Redis data; `riptide up` says which of the two it does. A config in the
+rollout's score mode (`rollout.mode = "score"`) runs router, sandbox and rollout only, until
+the rollout wrote its one evaluation to `rollout.eval.result_path`; `riptide up` prints it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from services.deployment import load_config, validate_config
 
 #: The services of the stack. They are started together; the order is only that of the logs.
 SERVICE_ORDER = ("router", "sandbox", "trainer", "rollout")
+#: The rollout's score mode: one evaluation of a model, no stream and no trainer.
+SCORE_ORDER = ("router", "sandbox", "rollout")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_STALENESS = 4
 
@@ -121,15 +125,31 @@ class LocalStack:
     def children(self) -> dict[str, subprocess.Popen[bytes]]:
         return {name: c.proc for name, c in self.supervisor.children.items()}
 
+    @property
+    def scoring(self) -> bool:
+        """The rollout's score mode: no Redis, no trainer; done when the rollout is."""
+        return bool(self.config.rollout.mode == "score")
+
+    def scored(self) -> bool:
+        """Score mode: the rollout exited 0 with its result file written."""
+        child = self.supervisor.children.get("rollout")
+        result = self.config.rollout.eval.result_path
+        return (self.scoring and child is not None and child.proc.poll() == 0
+                and result is not None and Path(result).is_file())
+
     def start(self, ready_timeout_s: float = 300.0,
-              order: tuple[str, ...] = SERVICE_ORDER) -> None:
-        """Redis, then every service at once (in `order`); returns when all are ready."""
-        self._start_redis()
+              order: tuple[str, ...] | None = None) -> None:
+        """Redis, then every service at once (in `order`); returns when all are ready (in
+        score mode: without Redis and the trainer, or once the scoring is done)."""
+        if order is None:
+            order = SCORE_ORDER if self.scoring else SERVICE_ORDER
+        if not self.scoring:
+            self._start_redis()
         for name in order:
             self.supervisor.add(name, lambda name=name: self._spawn(name))  # type: ignore[misc]
         deadline = time.monotonic() + ready_timeout_s
         waiting = list(order)
-        while waiting:
+        while waiting and not self.scored():
             for name in list(waiting):
                 if self._probe_ready(name):
                     waiting.remove(name)
@@ -188,11 +208,15 @@ class LocalStack:
 
     def check_children(self, starting: bool = False) -> None:
         """Restart dead children with backoff (raises GaveUp when one keeps dying)."""
+        if self.scored():
+            return  # the scoring rollout's exit is its end, not a death to restart
         try:
             events = self.supervisor.check()
         except GaveUp as exc:
             name = str(exc).split(" ", 1)[0]
-            raise GaveUp(f"{exc}; last log lines of {name}:\n{self.log_tail(name)}") from None
+            when = f"{name} failed while starting: " if starting else ""
+            raise GaveUp(f"{when}{exc}; last log lines of {name}:\n{self.log_tail(name)}"
+                         ) from None
         for event in events:
             when = " while starting" if starting else ""
             self.say(f"[up] {event.name} {event.kind}{when}: {event.detail}")
@@ -254,6 +278,8 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
     print(f"[up] config {config_path}  logs {run_dir / 'logs'}", flush=True)
     stack = LocalStack(run_dir, config_path, say=lambda m: print(m, flush=True))
     signal.signal(signal.SIGTERM, _interrupt)
+    if stack.scoring:
+        return _run_score(stack)
     try:
         resumed_step = _announce_run(stack)
         stack.start()
@@ -263,6 +289,27 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         if target is not None and resumed_step:
             print(f"[up] --steps {steps}: training until step {target}", flush=True)
         return _supervise(stack, target, summarize)
+    except KeyboardInterrupt:
+        print("\n[up] stopping", flush=True)
+        return 130
+    finally:
+        stack.stop()
+        print("[up] stopped", flush=True)
+
+
+def _run_score(stack: LocalStack) -> int:
+    """Score mode: router, sandbox and rollout until the rollout wrote its result; prints it."""
+    result = Path(stack.config.rollout.eval.result_path)
+    result.unlink(missing_ok=True)  # done means this run's result, never a previous one
+    print(f"[up] scoring {stack.config.rollout.fleet.model_path or 'the attached engines'} "
+          f"(rollout.mode = score); result {result}", flush=True)
+    try:
+        stack.start()
+        while not stack.scored():
+            stack.check_children()
+            time.sleep(0.5)
+        print(result.read_text().rstrip(), flush=True)
+        return 0
     except KeyboardInterrupt:
         print("\n[up] stopping", flush=True)
         return 130

@@ -6,7 +6,9 @@ only fills Riptide's own deployment config (services/deployment.py) and hands it
 generic Slurm deployment (services/slurm), which runs one srun step per service:
   plan             print the whole deployment: processes per node, config, memory, gaps
   train            validate, write the config, run the steps (--dry-run: validate and plan)
-  eval             score a checkpoint on a task set (plans it; see "Riptide lacks")
+  eval             score a checkpoint on a task set: router, sandbox, rollout in its score
+                   mode and engines serving the checkpoint on every node, no trainer; the
+                   result (per-task and mean success, JSON) lands in OUTPUT_DIR/eval/<name>/
 Run it inside the Slurm job (launch_16node_slurm.sh does), on the first node of the job.
 """
 
@@ -24,6 +26,20 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from examples.glm52_tbench2.recipe_eval import (  # noqa: E402
+    EVAL_INTERVAL,
+    EVAL_SAMPLES,
+    EVAL_TASKS,
+    SMOKE_EVAL_INTERVAL,
+    SMOKE_EVAL_TASKS,
+    check_checkpoint,
+    check_eval_tasks,
+    eval_dir,
+    eval_plan,
+    eval_section,
+    resolve_checkpoint,
+    score_deployment,
+)
 from services.common.config import dump_config  # noqa: E402
 from services.common.errors import ConfigError, RiptideError  # noqa: E402
 from services.deployment import validate_config  # noqa: E402
@@ -56,9 +72,6 @@ ENGINE_COMMON = {
 }
 #: Reference settings Riptide has no setting for yet: (reference row, the setting it needs).
 RIPTIDE_LACKS = [
-    ("eval every 10 steps on a disjoint task set, 2 samples a task",
-     "rollout eval interval and eval task set (eval_interval_steps, eval_task_ids,"
-     " eval_n_samples_per_prompt)"),
     ("one weight-update group per pipeline stage",
      "trainer.weight_sync per-pipeline-stage weight-update groups"),
     ("optimizer state staged through 256 MiB", "trainer.optimizer staging buffer size"),
@@ -69,8 +82,6 @@ RIPTIDE_LACKS = [
      "sandbox.provider resource floors (fixed at 1 CPU / 1 GiB / 1 GiB)"),
     ("Daytona ready timeout 300 s", "sandbox.provider ready timeout"),
     ("Daytona keepalive every 300 s", "sandbox.provider keepalive interval"),
-    ("score a checkpoint (eval subcommand)",
-     "a rollout-only scoring mode (engines from a checkpoint, no trainer)"),
 ]
 #: A bundled task set and a tiny model make --smoke run anywhere, even on one node.
 SMOKE_TASKS = REPO / "tasks"
@@ -110,9 +121,17 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--fp8-model-dir", type=Path, default=Path("/models/glm-5.2-fp8"),
                        help="the FP8 checkpoint the engines serve")
         p.add_argument("--tasks-dir", type=Path, default=Path("/data/terminal-bench-2"))
-        p.add_argument("--eval-tasks-dir", type=Path, default=None,
-                       help="disjoint task set for eval (Riptide lacks periodic eval)")
-        p.add_argument("--eval-interval", type=int, default=10, help="steps between evals")
+        p.add_argument("--eval-tasks", default=None, metavar="N|NAMES|all",
+                       help=f"the eval task set: N tasks of --tasks-dir held out of training "
+                            f"(a seeded draw; {EVAL_TASKS}, smoke: {SMOKE_EVAL_TASKS}), "
+                            f"comma-separated task names, or (eval only) all")
+        p.add_argument("--eval-samples", type=int, default=EVAL_SAMPLES,
+                       help="episodes per eval task")
+        if name != "eval":
+            p.add_argument("--eval-interval", type=int, default=None,
+                           help=f"weight versions between evals during training, and one "
+                                f"at the start ({EVAL_INTERVAL}, smoke: "
+                                f"{SMOKE_EVAL_INTERVAL}; 0: none)")
         p.add_argument("--checkpoint-dir", type=Path, default=None,
                        help="default: OUTPUT_DIR/checkpoints")
         p.add_argument("--optimizer-dir", type=Path, default=Path("/local/riptide-optimizer"),
@@ -127,8 +146,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="extra srun flag for every step (container, gres); repeatable")
         p.add_argument("--dry-run", action="store_true", help="validate and plan only")
         if name == "eval":
-            p.add_argument("--checkpoint", type=Path, required=False,
-                           help="checkpoint folder to score")
+            p.add_argument("--checkpoint", type=Path, default=None,
+                           help="what the engines serve: a Hugging Face model folder (e.g. "
+                                "--fp8-model-dir for the initial model) or a one-rank trainer "
+                                "checkpoint step-<n>, exported with --model-dir as its base "
+                                "(smoke default: the smoke model)")
     return parser
 
 
@@ -147,9 +169,22 @@ def job_nodes(args: argparse.Namespace) -> list[str]:
     return nodes
 
 
+def check_engine_shape(args: argparse.Namespace, num_inference_nodes: int) -> None:
+    """The engine shape fits a node's GPUs and the inference nodes split into engines."""
+    shape = SGLANG_SHAPES[args.sglang_config]
+    if args.smoke:  # the built-in engine: one a node, whatever the shape
+        return
+    if shape["gpus"] != shape["nodes"] * args.gpus_per_node:
+        raise ConfigError(f"engine shape {args.sglang_config!r} uses {shape['gpus']} GPUs an "
+                          f"engine over {shape['nodes']} node(s), but a node has "
+                          f"{args.gpus_per_node} GPUs")
+    if num_inference_nodes % shape["nodes"]:
+        raise ConfigError(f"engine shape {args.sglang_config!r} spans {shape['nodes']} nodes; "
+                          f"{num_inference_nodes} inference nodes do not split so")
+
+
 def check_layout(args: argparse.Namespace, num_nodes: int, hf: dict[str, Any]) -> list[int]:
     """The node, engine and parallel checks; returns the pipeline split."""
-    shape = SGLANG_SHAPES[args.sglang_config]
     if num_nodes < NUM_TRAINER_NODES + 2:
         raise ConfigError(f"{num_nodes} nodes: the reference layout needs at least 10 "
                           f"({NUM_TRAINER_NODES} trainer nodes + at least 2 inference nodes)")
@@ -158,13 +193,7 @@ def check_layout(args: argparse.Namespace, num_nodes: int, hf: dict[str, Any]) -
         raise ConfigError(f"inference GPUs = ({num_nodes} - {NUM_TRAINER_NODES}) x "
                           f"{args.gpus_per_node} = {inference_gpus}: must be a positive "
                           "multiple of 8")
-    if shape["gpus"] != shape["nodes"] * args.gpus_per_node:
-        raise ConfigError(f"engine shape {args.sglang_config!r} uses {shape['gpus']} GPUs an "
-                          f"engine over {shape['nodes']} node(s), but a node has "
-                          f"{args.gpus_per_node} GPUs")
-    if (num_nodes - NUM_TRAINER_NODES) % shape["nodes"]:
-        raise ConfigError(f"engine shape {args.sglang_config!r} spans {shape['nodes']} nodes; "
-                          f"{num_nodes - NUM_TRAINER_NODES} inference nodes do not split so")
+    check_engine_shape(args, num_nodes - NUM_TRAINER_NODES)
     split = [int(x) for x in args.pipeline_split.split(",")]
     layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
     experts = hf.get("n_routed_experts") or hf.get("num_experts") or 0
@@ -192,14 +221,8 @@ def check_layout(args: argparse.Namespace, num_nodes: int, hf: dict[str, Any]) -
 
 def check_files(args: argparse.Namespace) -> None:
     """Everything the run reads from disk is there, and the Daytona key is private."""
-    key = args.daytona_key_file
-    if not key.is_file():
-        raise ConfigError(f"Daytona API key file {key} does not exist (--daytona-key-file)")
-    if key.stat().st_mode & 0o077:
-        raise ConfigError(f"Daytona API key file {key} is readable by others; chmod 600 {key}")
-    if not (args.tasks_dir.is_dir() and any(args.tasks_dir.glob("*/task.toml"))):
-        raise ConfigError(f"task directory {args.tasks_dir} is missing or holds no task "
-                          "(a terminal-bench-2 checkout: <task>/task.toml)")
+    check_key_file(args)
+    check_task_files(args)
     for flag, path in (("--model-dir", args.model_dir), ("--fp8-model-dir", args.fp8_model_dir)):
         if not (path / "config.json").is_file():
             raise ConfigError(f"{flag} {path}: no model there (config.json missing)")
@@ -207,6 +230,31 @@ def check_files(args: argparse.Namespace) -> None:
         if state.is_dir() and any(state.iterdir()) and not args.resume:
             raise ConfigError(f"{state} holds a previous run's state: pass --resume to continue"
                               " from it, or choose another --output-dir")
+
+
+def check_task_files(args: argparse.Namespace) -> None:
+    """The task directory holds tasks, and the eval task set fits it."""
+    if not (args.tasks_dir.is_dir() and any(args.tasks_dir.glob("*/task.toml"))):
+        raise ConfigError(f"task directory {args.tasks_dir} is missing or holds no task "
+                          "(a terminal-bench-2 checkout: <task>/task.toml)")
+    check_eval_tasks(args)
+
+
+def check_eval_files(args: argparse.Namespace) -> None:
+    """eval's files: the Daytona key (unless --smoke), the tasks, the checkpoint to serve."""
+    if not args.smoke:
+        check_key_file(args)
+    check_task_files(args)
+    check_checkpoint(args)
+
+
+def check_key_file(args: argparse.Namespace) -> None:
+    """The Daytona API key file exists and only its owner can read it."""
+    key = args.daytona_key_file
+    if not key.is_file():
+        raise ConfigError(f"Daytona API key file {key} does not exist (--daytona-key-file)")
+    if key.stat().st_mode & 0o077:
+        raise ConfigError(f"Daytona API key file {key} is readable by others; chmod 600 {key}")
 
 
 def _checkpoint_dir(args: argparse.Namespace) -> Path:
@@ -221,13 +269,22 @@ def _ports(base: int) -> dict[str, int]:
     return {k: base + i if base else v for i, (k, v) in enumerate(defaults.items())}
 
 
+def node_roles(args: argparse.Namespace, nodes: list[str]) -> tuple[list[str], list[str]]:
+    """(trainer nodes, engine nodes). eval runs no trainer: engines on every node (the CPU
+    services share the first one)."""
+    if args.command == "eval":
+        return [], list(nodes)
+    if args.smoke:
+        return nodes[:1], nodes[1:] or nodes[:1]
+    return nodes[:NUM_TRAINER_NODES], nodes[NUM_TRAINER_NODES:]
+
+
 def deployment(args: argparse.Namespace, nodes: list[str], admin_token: str) -> dict[str, Any]:
     """The deployment config of the reference run (or its smoke version) as a dict."""
     out = args.output_dir.resolve()
     head = args.head_address or nodes[0]
     ports = _ports(args.port_base)
-    trainer_nodes = nodes[:1] if args.smoke else nodes[:NUM_TRAINER_NODES]
-    engine_nodes = (nodes[1:] or nodes[:1]) if args.smoke else nodes[NUM_TRAINER_NODES:]
+    trainer_nodes, engine_nodes = node_roles(args, nodes)
     shape = SGLANG_SHAPES[args.sglang_config]
     nodes_per_engine = 1 if args.smoke else shape["nodes"]
     addr = {nodes[0]: head}
@@ -263,7 +320,8 @@ def deployment(args: argparse.Namespace, nodes: list[str], admin_token: str) -> 
                     "fleet": {"kind": "attach", "attach_urls": urls,
                               "model_path": str(args.fp8_model_dir),
                               "sglang": {**ENGINE_COMMON, **shape["sglang"]}},
-                    "weight_update": {"pause_mode": args.pause_mode}},
+                    "weight_update": {"pause_mode": args.pause_mode},
+                    "eval": eval_section(args)},
         "trainer": {**service("trainer"), "rollout_batch_size": 8, "max_steps": args.steps,
                     "max_tokens_per_microbatch": 8192,
                     "loss": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "tis_cap": 2.0,
@@ -299,6 +357,8 @@ def deployment(args: argparse.Namespace, nodes: list[str], admin_token: str) -> 
     }
     if args.smoke:
         _smoke(config, args)
+    if args.command == "eval":
+        score_deployment(config, args)
     return config
 
 
@@ -341,6 +401,12 @@ def smoke_defaults(args: argparse.Namespace) -> None:
     if args.steps is None:
         args.steps = 3
     args.pipeline_split = "0"
+    if args.eval_tasks is None:
+        args.eval_tasks = SMOKE_EVAL_TASKS
+    if getattr(args, "eval_interval", 0) is None:
+        args.eval_interval = SMOKE_EVAL_INTERVAL
+    if args.command == "eval" and args.checkpoint is None:
+        args.checkpoint = args.model_dir
 
 
 def model_shape(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -361,9 +427,18 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
         smoke_defaults(args)
     elif args.steps is None:
         args.steps = 100
+    args.eval_tasks = args.eval_tasks or EVAL_TASKS
+    if getattr(args, "eval_interval", 0) is None:
+        args.eval_interval = EVAL_INTERVAL
+    if args.command == "eval":
+        if args.resume:
+            raise ConfigError("--resume continues a training run; eval has nothing to resume")
+        resolve_checkpoint(args)
     nodes = job_nodes(args)
     hf, source = model_shape(args)
-    if not args.smoke:
+    if args.command == "eval":
+        check_engine_shape(args, len(nodes))
+    elif not args.smoke:
         check_layout(args, len(nodes), hf)
     token = secrets.token_urlsafe(24)
     return validate_config(deployment(args, nodes, token), "recipe config"), hf, source
@@ -373,15 +448,53 @@ def plan_text(config: Any, config_path: Path, hf: dict[str, Any], source: str,
               args: argparse.Namespace) -> str:
     from services.slurm.plan import render_config, render_memory, render_steps
 
-    lines = [f"# Plan: {config.run.name}, {len(set(config.slurm.trainer_nodes) | set(config.slurm.engine_nodes) | {config.slurm.head_node})} nodes",  # noqa: E501
+    nodes = set(config.slurm.trainer_nodes) | set(config.slurm.engine_nodes)
+    lines = [f"# Plan: {config.run.name}, {len(nodes | {config.slurm.head_node})} nodes",
              render_steps(config, config_path), "", render_config(config), "",
              f"model shape: {source}",
              render_memory(config, hf, args.gpu_memory_gb, 1.0 if not args.smoke else 4.0), "",
+             *eval_plan(config, args), "",
              "## Riptide lacks (reference setting: what Riptide would need)"]
     lines += [f"  - {row}: {setting}" for row, setting in RIPTIDE_LACKS]
-    lines.append(f"  (asked for: eval every {args.eval_interval} steps on "
-                 f"{args.eval_tasks_dir or 'no --eval-tasks-dir'}; not wired until then)")
     return "\n".join(lines)
+
+
+def run_eval(config: Any, hf: dict[str, Any], source: str, args: argparse.Namespace) -> int:
+    """eval: check, export a trainer checkpoint if need be, run the score-mode steps, print
+    the result."""
+    work = eval_dir(args)
+    config_path = work / "deploy.toml"
+    if args.dry_run:
+        print(plan_text(config, config_path, hf, source, args))
+        return 0
+    if args.smoke and not (args.model_dir / "config.json").exists():
+        from services.common.tiny_model import create_tiny_model
+
+        create_tiny_model(args.model_dir)
+    check_eval_files(args)
+    if args.served_model != args.checkpoint and not (args.served_model / "config.json").exists():
+        from services.trainer.export import export_checkpoint
+
+        print(f"[recipe] exporting {args.checkpoint} to {args.served_model}", flush=True)
+        export_checkpoint(args.checkpoint, args.model_dir, args.served_model,
+                          dtype="float32" if args.smoke else "bfloat16")
+    result = Path(config.rollout.eval.result_path)
+    result.unlink(missing_ok=True)  # the job is done when this eval's result is there
+    code = _launch(config, config_path)
+    if code == 0:
+        print(result.read_text().rstrip(), flush=True)
+    return code
+
+
+def _launch(config: Any, config_path: Path) -> int:
+    """Write the deployment config (private: it holds the tokens) and run its srun steps."""
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(dump_config(config))
+    os.chmod(config_path, 0o600)
+    print(f"[recipe] config {config_path}", flush=True)
+    from services.slurm.supervisor import run
+
+    return int(run(config, config_path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,26 +506,19 @@ def main(argv: list[str] | None = None) -> int:
             print(plan_text(config, config_path, hf, source, args))
             return 0
         if args.command == "eval":
-            print(plan_text(config, config_path, hf, source, args))
-            raise ConfigError("eval: Riptide lacks a rollout-only scoring mode (engines from a "
-                              "checkpoint, no trainer); nothing was started")
+            return run_eval(config, hf, source, args)
         if args.smoke:
             if not args.dry_run and not (args.model_dir / "config.json").exists():
                 from services.common.tiny_model import create_tiny_model
 
                 create_tiny_model(args.model_dir)
+            check_task_files(args)
         else:
             check_files(args)
         if args.dry_run:
             print(plan_text(config, config_path, hf, source, args))
             return 0
-        config_path.parent.mkdir(parents=True, exist_ok=True)
-        config_path.write_text(dump_config(config))
-        os.chmod(config_path, 0o600)
-        print(f"[recipe] config {config_path}", flush=True)
-        from services.slurm.supervisor import run
-
-        return run(config, config_path)
+        return _launch(config, config_path)
     except RiptideError as exc:
         print(f"recipe: error: {exc}", file=sys.stderr)
         return 2

@@ -11,6 +11,9 @@ from typing import Any
 from services._proto.riptide.v1 import common_pb2
 from services.common.grpc_requests import require
 
+MAX_STOPS = 256
+MAX_STOP_CHARS = 1024
+
 
 def sampling_params(params: common_pb2.SamplingParams) -> dict[str, Any]:
     """SGLang sampling_params from the proto (zero means the engine default where noted);
@@ -20,6 +23,10 @@ def sampling_params(params: common_pb2.SamplingParams) -> dict[str, Any]:
     require(params.top_k >= -1, "sampling_params.top_k: must be -1 (all), 0 (default) or more")
     require(all(t >= 0 for t in params.stop_token_ids),
             "sampling_params.stop_token_ids: token ids are never negative")
+    require(len(params.stop_token_ids) <= MAX_STOPS and len(params.stop) <= MAX_STOPS,
+            f"sampling_params: at most {MAX_STOPS} stop strings and {MAX_STOPS} stop token ids")
+    require(all(0 < len(s) <= MAX_STOP_CHARS for s in params.stop),
+            f"sampling_params.stop: each stop string has 1 to {MAX_STOP_CHARS} characters")
     out: dict[str, Any] = {"temperature": params.temperature}
     if params.max_new_tokens:
         out["max_new_tokens"] = params.max_new_tokens

@@ -40,12 +40,18 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(runtime: ServiceRuntime, section: ServiceConfig, run: Any,
-                grace_s: float = 10.0) -> None:
-    """Serve `runtime` until SIGTERM or SIGINT, then shut down in order."""
+                grace_s: float = 10.0) -> int:
+    """Serve `runtime` until SIGTERM, SIGINT or its `request_exit`, then shut down in order;
+    returns the process's exit code (the runtime's, 0 after a signal)."""
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
+
+    def exit_requested() -> None:  # from any thread (the trainer's loop runs in its own)
+        loop.call_soon_threadsafe(stop_requested.set)
+
+    runtime.bind_exit(exit_requested)
 
     admin_socket = _bind(section.listen_host, section.admin_port)
     admin_port = admin_socket.getsockname()[1]
@@ -79,6 +85,7 @@ async def serve(runtime: ServiceRuntime, section: ServiceConfig, run: Any,
             admin.should_exit = True
             await admin_task
     log.info("stopped")
+    return runtime.exit_code or 0
 
 
 async def _track_readiness(runtime: ServiceRuntime, grpc_server: GrpcServer) -> None:

@@ -6,7 +6,9 @@ overrides only the hooks it needs; every hook has a sensible default.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -14,6 +16,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from services.common.errors import ConfigError, Conflict, quote
+
+log = logging.getLogger(__name__)
 
 
 class ServiceRuntime:
@@ -28,6 +32,23 @@ class ServiceRuntime:
     def __init__(self) -> None:
         self.paused = False
         self.started_monotonic = time.monotonic()
+        #: Set by `request_exit`: the process ends with this code (serve.py returns it).
+        self.exit_code: int | None = None
+        self._on_exit: Callable[[], None] = lambda: None
+
+    def request_exit(self, code: int, reason: str) -> None:
+        """End the process with `code`, from any thread: 0 when one-shot work is done,
+        non-zero when the service cannot go on and its supervisor should restart it."""
+        log.log(logging.INFO if code == 0 else logging.ERROR, "exiting with code %d: %s",
+                code, reason)
+        self.exit_code = code
+        self._on_exit()
+
+    def bind_exit(self, on_exit: Callable[[], None]) -> None:
+        """serve.py's hook that `request_exit` calls (thread-safe on its side)."""
+        self._on_exit = on_exit
+        if self.exit_code is not None:
+            on_exit()
 
     def lifecycle(self) -> str:
         """starting, ready or paused."""

@@ -118,16 +118,31 @@ class WeightUpdateConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    """Evaluation of held-out tasks during training (services/rollout/evaluation.py)."""
+    """Evaluation of held-out tasks: during training (every `interval_steps` weight versions)
+    or once, in the rollout's `score` mode (services/rollout/evaluation.py, scoring.py)."""
 
-    interval_steps: int = Field(0, ge=0, description="evaluate every k weight versions and at "
-                                                     "the start (0: never)")
+    interval_steps: int = Field(0, ge=0, le=1_000_000, description="train mode: evaluate "
+                                "every k weight versions and at the start (0: never)")
     task_ids: list[str] = Field(default_factory=list, description="held-out tasks (the sandbox "
                                                                   "must list them)")
-    num_samples: int = Field(1, ge=1, description="episodes per task and evaluation")
+    num_tasks: int = Field(0, ge=0, le=100_000, description="without task_ids: hold out this "
+                           "many of the sandbox's tasks, drawn with `seed` from its sorted list "
+                           "(score mode, 0 and no task_ids: every task)")
+    seed: int = Field(0, description="seed of the num_tasks draw (same seed, same task set)")
+    num_samples: int = Field(1, ge=1, le=4096, description="episodes per task and evaluation")
     greedy: bool = Field(True, description="sample greedily (else at `temperature`)")
-    temperature: float = Field(0.8, gt=0, description="sampling temperature when not greedy")
+    temperature: float = Field(0.8, gt=0, le=100,
+                               description="sampling temperature when not greedy")
     success_threshold: float = Field(1.0, description="a reward at least this is a success")
+    result_path: str | None = Field(None, description="score mode: the result JSON is written "
+                                                      "here (per-task and mean success)")
+
+    @model_validator(mode="after")
+    def _one_task_set(self) -> EvalConfig:
+        if self.task_ids and self.num_tasks:
+            raise ValueError("eval.task_ids and eval.num_tasks both set: name the held-out "
+                             "tasks or give their number, not both")
+        return self
 
 
 class RolloutConfig(ServiceConfig):
@@ -146,5 +161,16 @@ class RolloutConfig(ServiceConfig):
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="engines")
     weight_update: WeightUpdateConfig = Field(
         default_factory=WeightUpdateConfig, description="weight-update coordination")
+    mode: Literal["train", "score"] = Field(
+        "train", description="train: feed the sample stream; score: run [rollout.eval]'s "
+        "episodes once at the engines' weights, write eval.result_path and exit 0 (no Redis, "
+        "no trainer)")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation "
-                                                                     "during training")
+                                                                     "(train and score modes)")
+
+    @model_validator(mode="after")
+    def _score_mode(self) -> RolloutConfig:
+        if self.mode == "score" and not self.eval.result_path:
+            raise ValueError("rollout.mode 'score' writes its result to rollout.eval.result_path"
+                             ": set it")
+        return self

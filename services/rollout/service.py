@@ -7,7 +7,9 @@ Sandbox.ListTasks, retried until the sandbox answers), then start the scheduler,
 what already sits in the stream and admits nothing while no engine holds current weights.
 Group ids carry a random 128-bit incarnation id, so no two incarnations ever share one.
 The gRPC servicer (server.py) hands UpdateWeights streams to the coordinator; the admin
-app's pause/resume and live config patches go to the scheduler.
+app's pause/resume and live config patches go to the scheduler. In `score` mode there is no
+buffer and no scheduler: the engines come up, scoring.py runs one evaluation of the eval task
+set, writes its result file and the process exits 0.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import grpc
 
 from services.common.config import RedisConfig
 from services.common.engine_client import EngineClient
-from services.common.errors import Unavailable
+from services.common.errors import ConfigError, Unavailable
 from services.common.grpc_client import aio_channel
 from services.common.service import ServiceRuntime
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
 from services.rollout.episodes import GroupSink, TaskCycle
-from services.rollout.evaluation import EvalQueue
+from services.rollout.evaluation import EvalQueue, eval_task_ids
 from services.rollout.fleet import EngineFleet
 from services.rollout.router_link import GrpcRouterLink, NoRouter
 from services.rollout.sandbox_runner import SandboxEpisodeRunner
@@ -40,11 +42,6 @@ TUNABLE_FIELDS = frozenset({
     "max_concurrent_samples", "granularity", "max_staleness", "drop_zero_variance_groups",
     "max_queued_groups", "temperature", "top_p", "max_new_tokens",
 })
-
-
-def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("the scheduler could not start: %s", task.exception())
 
 
 class RolloutRuntime(ServiceRuntime):
@@ -67,6 +64,7 @@ class RolloutRuntime(ServiceRuntime):
         self.coordinator = WeightUpdateCoordinator(self.fleet, config.weight_update,
                                                    self._on_committed)
         self.scheduler: Scheduler | None = None
+        self.scoring: EvalQueue | None = None  # score mode's one evaluation
         self.buffer: Any = None
         self.buffer_depth: int | None = None
         self._sandbox_channel: grpc.aio.Channel | None = None
@@ -82,19 +80,78 @@ class RolloutRuntime(ServiceRuntime):
     async def start(self) -> None:
         from services.common.buffer import AsyncSampleBuffer
 
-        self.buffer = await self._connect_buffer(AsyncSampleBuffer)
-        stored = await self.buffer.weight_version()
-        if stored is not None and stored > self.fleet.current_version:
-            log.info("the run is at weight version %d: engines wait for the next update", stored)
-            self.fleet.current_version = stored
+        scoring = self.config.mode == "score"
+        if not scoring:
+            self.buffer = await self._connect_buffer(AsyncSampleBuffer)
+            stored = await self.buffer.weight_version()
+            if stored is not None and stored > self.fleet.current_version:
+                log.info("the run is at weight version %d: engines wait for the next update",
+                         stored)
+                self.fleet.current_version = stored
         self._router_channel = aio_channel(self._router_address, self._token)
         self.fleet.router = GrpcRouterLink(self._router_channel)
         await self.fleet.start()
         self._sandbox_channel = aio_channel(self._sandbox_address, self._token)
         metrics.install(self.metrics_snapshot)
+        if scoring:
+            self._background = [asyncio.create_task(self._score())]
+            return
         self._background = [asyncio.create_task(self._start_scheduler(self.buffer)),
                             asyncio.create_task(self._watch_buffer())]
-        self._background[0].add_done_callback(_log_failure)
+        self._background[0].add_done_callback(self._on_scheduler_start_failed)
+
+    def _on_scheduler_start_failed(self, task: asyncio.Task[None]) -> None:
+        """A scheduler that cannot start leaves nothing to serve: exit (2 for a config
+        error, which a restart cannot fix; else 1, so the supervisor restarts this one)."""
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            log.error("the scheduler could not start: %s", exc)
+            self.request_exit(2 if isinstance(exc, ConfigError) else 1,
+                              f"the scheduler could not start: {exc}")
+
+    async def _score(self) -> None:
+        """Score mode: one evaluation at the engines' weights, its result file, exit 0."""
+        from services.rollout.scoring import score, write_result
+
+        assert self._sandbox_channel is not None
+        cfg = self.config
+        try:
+            runner = SandboxEpisodeRunner(self._sandbox_channel)
+            task_ids = eval_task_ids(cfg.eval, await self._list_tasks(runner), every_task=True)
+            self.scoring = EvalQueue(cfg.eval, cfg.scheduler.max_new_tokens,
+                                     cfg.scheduler.top_p, task_ids)
+            while not any(m.state == "ready" and m.registered for m in self.fleet.members):
+                await asyncio.sleep(0.2)  # engines come up; the fleet registers them
+            version = self.fleet.current_version
+            log.info("scoring %d tasks x %d samples at weight version %d", len(task_ids),
+                     cfg.eval.num_samples, version)
+            result = await score(self.scoring, version, runner,
+                                 cfg.scheduler.max_concurrent_samples)
+            result["engines"] = cfg.fleet.model_path or list(cfg.fleet.attach_urls)
+            assert cfg.eval.result_path is not None  # the config requires it in score mode
+            write_result(cfg.eval.result_path, result)
+        except ConfigError as exc:  # the task set does not fit the sandbox's: no restart
+            self.request_exit(2, f"scoring cannot start: {exc}")
+            return
+        except Exception as exc:
+            log.exception("scoring failed")
+            self.request_exit(1, f"scoring failed: {type(exc).__name__}: {exc}")
+            return
+        self.request_exit(0, f"scored {result['num_tasks']} tasks: mean success "
+                             f"{result['mean_success']:.3f}, written to {cfg.eval.result_path}")
+
+    async def _list_tasks(self, runner: SandboxEpisodeRunner) -> list[str]:
+        """The sandbox's tasks, asked until it answers (start order is free)."""
+        while True:
+            try:
+                task_ids = await runner.list_tasks()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("sandbox not reachable for ListTasks: %s", exc.code().name)
+                await asyncio.sleep(1.0)
+                continue
+            if not task_ids:
+                raise Unavailable("the sandbox service lists no tasks")
+            return task_ids
 
     async def _connect_buffer(self, cls: Any) -> Any:
         """The sample buffer, waiting for Redis while it is not up (start order is free)."""
@@ -108,20 +165,15 @@ class RolloutRuntime(ServiceRuntime):
     async def _start_scheduler(self, sink: GroupSink) -> None:
         assert self._sandbox_channel is not None
         runner = SandboxEpisodeRunner(self._sandbox_channel)
-        task_ids = list(self.config.task_ids)
-        while not task_ids:
-            try:
-                task_ids = await runner.list_tasks()
-            except grpc.aio.AioRpcError as exc:
-                log.warning("sandbox not reachable for ListTasks: %s", exc.code().name)
-                await asyncio.sleep(1.0)
-                continue
-            if not task_ids:
-                raise Unavailable("the sandbox service lists no tasks")
-        held_out = set(self.config.eval.task_ids)  # never trained on
-        task_ids = [t for t in task_ids if t not in held_out]
+        ev = self.config.eval
+        needs_list = not self.config.task_ids or ev.task_ids or ev.num_tasks
+        listed = await self._list_tasks(runner) if needs_list else list(self.config.task_ids)
+        task_ids = list(self.config.task_ids) or listed
+        held_out = eval_task_ids(self.config.eval, listed)
+        task_ids = [t for t in task_ids if t not in set(held_out)]  # never trained on
         if not task_ids:
-            raise Unavailable("every task is a held-out eval task: none is left to train on")
+            raise ConfigError("every task is a held-out eval task (rollout.eval): none is "
+                              "left to train on")
         backlog = await self._backlog_groups()
         scheduler = Scheduler(self.config.scheduler, TaskCycle(task_ids, self.config.task_seed),
                               runner, sink, weight_version=self.fleet.current_version,
@@ -130,7 +182,7 @@ class RolloutRuntime(ServiceRuntime):
                               can_generate=self.fleet.can_generate,
                               evaluation=EvalQueue(self.config.eval,
                                                    self.config.scheduler.max_new_tokens,
-                                                   self.config.scheduler.top_p))
+                                                   self.config.scheduler.top_p, held_out))
         if self.paused:
             scheduler.pause()
         await scheduler.start()
@@ -171,7 +223,7 @@ class RolloutRuntime(ServiceRuntime):
                 await channel.close()
 
     def ready(self) -> bool:
-        return self.scheduler is not None
+        return self.scheduler is not None or self.scoring is not None
 
     def _on_committed(self, version: int) -> None:
         if self.scheduler is not None:
@@ -203,7 +255,9 @@ class RolloutRuntime(ServiceRuntime):
     def snapshot(self) -> dict[str, Any]:
         recent = [u for u in self.coordinator.history if "duration_s" in u]
         return {
+            "mode": self.config.mode,
             "scheduler": self.scheduler.state() if self.scheduler is not None else None,
+            **({"scoring": self.scoring.summary()} if self.scoring is not None else {}),
             "engines": self.fleet.state(),
             "weight_updates": self.coordinator.state(),
             "buffer_depth": self.buffer_depth,

@@ -27,6 +27,7 @@ from services.common.errors import Conflict, InvalidRequest, RiptideError, Unava
 from services.rollout.config import WeightUpdateConfig
 from services.rollout.fleet import EngineFleet, EngineMember
 from services.rollout.scheduler_stats import Histogram
+from services.rollout.weight_update_requests import check_begin, check_bucket
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class WeightUpdateCoordinator:
         first = await anext(requests, None)
         if first is None or first.WhichOneof("step") != "begin":
             raise InvalidRequest("UpdateWeights must start with a Begin message")
+        check_begin(first.begin)  # before the lock is taken or an engine paused
         if self._busy.locked():
             raise Conflict("another weight update is in progress")
         begin = first.begin
@@ -83,7 +85,10 @@ class WeightUpdateCoordinator:
                 record["status"] = "failed"
                 record["error"] = str(exc) or type(exc).__name__
                 self._group_key = None  # the collective may be broken: form it again
-                if self.engines_paused:  # shielded: a cancelled stream still releases them
+                if self.engines_paused and record["buckets"] == 0:
+                    # No weight moved: the engines hold the old weights intact; let them go on.
+                    await asyncio.shield(self._resume_all(self._members))
+                elif self.engines_paused:  # shielded: a cancelled stream still releases them
                     await asyncio.shield(self._release(version=begin.weight_version))
                 raise
             finally:
@@ -105,8 +110,7 @@ class WeightUpdateCoordinator:
             await self._all(version, members, "pause_generation",
                             lambda m: client.pause(m.url, self.config.pause_mode))
         except WeightUpdateFailed:  # no weight has moved: let the others generate again
-            await asyncio.gather(*(client.resume(m.url) for m in members),
-                                 return_exceptions=True)
+            await self._resume_all(members)
             raise
         self.engines_paused = True
         world_size = 1 + sum(m.ranks for m in members)
@@ -123,6 +127,7 @@ class WeightUpdateCoordinator:
         async for request in requests:
             step = request.WhichOneof("step")
             if step == "bucket":
+                check_bucket(request.bucket, record["buckets"])  # before an engine sees it
                 record["buckets"] += 1
                 await self._load_bucket(version, members, begin.group_name, request.bucket)
                 yield pb.WeightUpdateEvent(bucket_loaded=request.bucket.bucket_index)
@@ -133,18 +138,24 @@ class WeightUpdateCoordinator:
                 return
             else:
                 raise InvalidRequest(f"weight update v{version}: unexpected {step} mid-update")
-        if record["buckets"] == 0:  # nothing was loaded: the old weights are intact
-            await self._all(version, members, "continue_generation",
-                            lambda m: client.resume(m.url))
-            self.engines_paused = False
         raise WeightUpdateFailed(
             f"weight update v{version}: the trainer ended the stream before Commit after "
             f"{record['buckets']} buckets")
 
+    async def _resume_all(self, members: list[EngineMember]) -> None:
+        """Let paused engines generate again; an engine that refuses is logged (the fleet's
+        health checks deal with it), never left holding the update."""
+        results = await asyncio.gather(*(self.fleet.client.resume(m.url) for m in members),
+                                       return_exceptions=True)
+        for member, result in zip(members, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("continue_generation on %s: %s", member.url, result)
+        self.engines_paused = False
+
     async def _release(self, version: int) -> None:
         """After a failure once weights may have moved: take the engines out of the router,
         let them continue, and mark them as waiting for the next full update."""
-        members, client = self._members, self.fleet.client
+        members = self._members
         self.abandoned += 1
         self.fleet.abandon(members)
         for member in members:
@@ -154,13 +165,7 @@ class WeightUpdateCoordinator:
                     await self.fleet.router.deregister(member.url)
                 except Unavailable as exc:
                     log.warning("deregistering %s after an abandoned update: %s", member.url, exc)
-        results = await asyncio.gather(*(client.resume(m.url) for m in members),
-                                       return_exceptions=True)
-        for member, result in zip(members, results, strict=True):
-            if isinstance(result, BaseException):
-                log.warning("continue_generation on %s after abandoned v%d: %s", member.url,
-                            version, result)
-        self.engines_paused = False
+        await self._resume_all(members)
         log.warning("weight update v%d abandoned: %d engines continue unrouted until the next "
                     "update", version, len(members))
 

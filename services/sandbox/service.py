@@ -16,7 +16,9 @@ import grpc
 from fastapi import APIRouter
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2, sandbox_pb2_grpc
-from services.common.errors import Conflict, InvalidRequest, NotFound, Unavailable
+from services.common.errors import Conflict, NotFound, Unavailable, quote
+from services.common.grpc_requests import require
+from services.common.sampling_params import sampling_params
 from services.common.service import ServiceRuntime, status_message
 from services.sandbox.config import SandboxConfig
 from services.sandbox.episode import EpisodeRunner
@@ -28,6 +30,23 @@ from services.sandbox.task import Task, TaskSet
 log = logging.getLogger(__name__)
 
 _End = common_pb2.Trajectory | BaseException
+
+
+#: Ids are router session keys and log fields: short, printable.
+MAX_ID_CHARS = 256
+
+
+def check_episode_request(request: sandbox_pb2.RunEpisodeRequest) -> None:
+    """Range checks of a RunEpisode request before any sandbox is made: ids that are set,
+    short and printable, and sampling parameters an engine accepts (InvalidRequest)."""
+    for name in ("task_id", "sample_id", "group_id"):
+        value = getattr(request, name)
+        require(len(value) <= MAX_ID_CHARS and value.isprintable(),
+                f"{name}: at most {MAX_ID_CHARS} printable characters, got "
+                f"{quote(value, 40)}")
+    require(bool(request.task_id), "task_id is empty: ListTasks lists the tasks")
+    require(bool(request.sample_id), "RunEpisode needs a sample_id (the router session key)")
+    sampling_params(request.sampling_params)  # the router would refuse it at the first turn
 
 
 class SandboxService(ServiceRuntime):
@@ -115,8 +134,7 @@ class SandboxService(ServiceRuntime):
         """Progress events as they happen, then the trajectory."""
         if self.paused:
             raise Unavailable("the sandbox service is paused; resume it or retry later")
-        if not request.sample_id:
-            raise InvalidRequest("RunEpisode needs a sample_id (the router session key)")
+        check_episode_request(request)  # before any sandbox is made
         task = self.task(request.task_id)
         if request.sample_id in self._running:
             raise Conflict(f"an episode with sample_id {request.sample_id!r} is already running; "

@@ -48,13 +48,15 @@ def _table(title: str, rows: list[Estimate]) -> list[str]:
 
 def render_memory(config: Any, hf: dict[str, Any], gpu_memory_gb: float,
                   engine_weight_bytes: float) -> str:
-    """Memory estimates of the fullest trainer rank and one engine GPU (GB unless named)."""
+    """Memory estimates of the fullest trainer rank (none in score mode) and one engine GPU
+    (GB unless named)."""
     size = model_size(hf)
     lines = ["## Memory estimates (GB unless named; planning figures, not measurements)",
              f"  model: {size.total / 1e9:.1f}B parameters, {size.active / 1e9:.1f}B active "
              f"per token = embeddings x 2 + layers x attention + dense MLPs + MoE layers x "
              f"(routed + shared experts)"]
-    lines += _table("  trainer rank:", trainer_rank(size, config.trainer))
+    if config.rollout.mode == "train":  # score mode runs no trainer
+        lines += _table("  trainer rank:", trainer_rank(size, config.trainer))
     lines += _table("  engine GPU:", engine_gpu(size, config.rollout.fleet.sglang,
                                                 gpu_memory_gb, engine_weight_bytes))
     return "\n".join(lines)

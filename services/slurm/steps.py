@@ -2,8 +2,8 @@
 
 From a validated deployment config (its [slurm] section places the steps): Redis, the router,
 the sandbox and the rollout service on the head node, one engine per `nodes_per_engine`
-inference nodes, and the trainer's ranks over the trainer nodes. Used by the supervisor that
-runs them and by `plan` output that prints them.
+inference nodes, and the trainer's ranks over the trainer nodes; in the rollout's `score` mode
+neither Redis nor the trainer. Used by the supervisor that runs them and by `plan` output.
 """
 
 from __future__ import annotations
@@ -57,8 +57,12 @@ def deployment_steps(config: Any, config_path: Path, python: str = sys.executabl
     (the rollout service never calls the trainer, so episodes run while the trainer builds
     its model); ConfigError says what does not fit."""
     s = config.slurm
-    if not s.head_node or not s.trainer_nodes:
+    scoring = config.rollout.mode == "score"  # no stream and no trainer: no Redis either
+    if not s.head_node or not (s.trainer_nodes or scoring):
         raise ConfigError("slurm.head_node and slurm.trainer_nodes must be set to run on Slurm")
+    if scoring and s.trainer_nodes:
+        raise ConfigError("rollout.mode 'score' runs no trainer: leave slurm.trainer_nodes "
+                          "empty (those nodes would sit idle)")
 
     def serve(name: str, *sets: str) -> list[str]:
         extra = [arg for item in sets for arg in ("--set", item)]
@@ -69,7 +73,7 @@ def deployment_steps(config: Any, config_path: Path, python: str = sys.executabl
     redis_cmd = ["redis-server", "--bind", s.bind_host, "--port", str(port), "--dir",
                  s.redis_dir, "--appendonly", "yes", "--save", "",
                  "--protected-mode", "yes" if s.bind_host.startswith("127.") else "no"]
-    steps = [Step("redis", head, 1, redis_cmd, f"tcp://{host}:{port}")]
+    steps = [] if scoring else [Step("redis", head, 1, redis_cmd, f"tcp://{host}:{port}")]
     steps += _engine_steps(config, serve)
     for name in ("router", "sandbox"):
         section = getattr(config, name)
@@ -77,7 +81,8 @@ def deployment_steps(config: Any, config_path: Path, python: str = sys.executabl
         steps.append(Step(name, head, 1, serve(name), f"{section.admin_url}/readyz",
                           env_files=files))
     steps.append(Step("rollout", head, 1, serve("rollout"), f"{config.rollout.admin_url}/readyz"))
-    steps.append(_trainer_step(config, serve))
+    if not scoring:
+        steps.append(_trainer_step(config, serve))
     return steps
 
 

@@ -4,8 +4,9 @@ Started once per job on the head node (by `python -m services.slurm`, from a bat
 Starts the steps of steps.py in order, each once the one before is ready; then watches them:
 a step that exits while the job runs is started again (its service resumes from its own
 state: the trainer from its checkpoint, Redis from its append-only file), at most
-`slurm.max_restarts` times. Ends when the trainer reached `trainer.max_steps` (exit 0), when a
-step failed too often (exit 1), or on SIGTERM/SIGINT (scancel), stopping every step.
+`slurm.max_restarts` times. Ends when the trainer reached `trainer.max_steps` (exit 0; in the
+rollout's score mode: when the rollout step exited 0 with its result file), when a step failed
+too often (exit 1), or on SIGTERM/SIGINT (scancel), stopping every step.
 """
 
 from __future__ import annotations
@@ -90,19 +91,26 @@ class Supervisor:
             self.say(f"[slurm] {step.name} ready")
 
     def _wait_ready(self, step: Step) -> None:
+        proc = self.running[step.name].proc
+        done = lambda: proc.poll() is not None and scoring_done(  # noqa: E731
+            self.config, step.name, proc.returncode)  # scored before the probe saw it ready
         process.wait_until_ready(
-            lambda: self.stopping or _ready(step.ready_url), self.running[step.name].proc,
+            lambda: self.stopping or _ready(step.ready_url) or done(), proc,
             f"step {step.name}", self.config.slurm.ready_timeout_s,
             lambda: f"probed {step.ready_url}; see {self.log_dir / step.name}.log", 0.5)
 
     def watch(self) -> int:
-        """Restart failed steps until the trainer is done (0), a step gave up (1) or stop."""
+        """Restart failed steps until the trainer is done (0), a step gave up (1) or stop.
+        In score mode the rollout step is done when it exits 0 with its result written."""
         max_steps = self.config.trainer.max_steps
         while not self.stopping:
             for entry in self.running.values():
                 code = entry.proc.poll()
                 if code is None or self.stopping:
                     continue
+                if scoring_done(self.config, entry.step.name, code):
+                    self.say(f"[slurm] scoring done: {self.config.rollout.eval.result_path}")
+                    return 0
                 if entry.num_restarts >= self.config.slurm.max_restarts:
                     self.say(f"[slurm] {entry.step.name} exited with {code} after "
                              f"{entry.num_restarts} restarts; giving up")
@@ -112,7 +120,8 @@ class Supervisor:
                          f"{entry.num_restarts} of {self.config.slurm.max_restarts}")
                 time.sleep(self.config.slurm.restart_delay_s)
                 entry.proc = self._start(entry.step)
-            if max_steps and trainer_step(self.config) >= max_steps:
+            if max_steps and self.config.rollout.mode == "train" \
+                    and trainer_step(self.config) >= max_steps:
                 self.say(f"[slurm] trainer reached {max_steps} steps")
                 return 0
             time.sleep(1.0)
@@ -127,6 +136,13 @@ class Supervisor:
             self.say(f"[slurm] stop {name}")
             process.stop(self.running[name].proc, grace_s=self.config.slurm.stop_grace_s)
         self.running.clear()
+
+
+def scoring_done(config: Any, step_name: str, exit_code: int) -> bool:
+    """Whether a score-mode deployment's rollout step ended its one evaluation."""
+    result = config.rollout.eval.result_path
+    return (config.rollout.mode == "score" and step_name == "rollout" and exit_code == 0
+            and result is not None and Path(result).is_file())
 
 
 def run(config: Any, config_path: Path) -> int:

@@ -313,7 +313,13 @@ def stage_model(shape: ModelShape, config: Any, spec: Any, **rope: Any) -> Any:
 
 
 def load_hf_config(path: str) -> Any:
-    """The transformers config of a Hugging Face model folder."""
+    """The transformers config of a Hugging Face model folder (ConfigError if there is none:
+    a restart cannot fix that)."""
+    from pathlib import Path
+
     from transformers import AutoConfig
 
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"trainer.model.hf_path: no Hugging Face model at {path} "
+                          "(config.json missing)")
     return AutoConfig.from_pretrained(path)

@@ -8,6 +8,8 @@ this process is rank 0: it drives the other ranks (ranks.py, worker.py) step by 
 stops them when the loop ends. With `parallel.launcher = "local"` it starts them itself, as
 children on this machine, before building the model; with "external" srun or torchrun started
 every rank (rank_env.py) and they meet at MASTER_ADDR:MASTER_PORT. Built by server.py.
+A failed weight sync is retried inside the loop; any other failure ends the process (exit 1,
+or 2 for a config error) so that its supervisor restarts it and it resumes from its checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import grpc
 
 from services.common.config import RedisConfig
+from services.common.errors import ConfigError
 from services.common.service import ServiceRuntime, status_message
 from services.trainer.config import TrainerConfig
 from services.trainer.stats import TrainerStats
@@ -81,10 +84,15 @@ class TrainerRuntime(ServiceRuntime):
                 self._channel.send(Stop())
                 # Leaving at once could close the sockets before a rank read its Stop.
                 self._channel.barrier()
-        except Exception as exc:  # the thread's end: keep the cause visible in /admin/state
+        except Exception as exc:  # the thread's end: the process ends too (below)
             log.exception("trainer loop failed")
             self.error = f"{type(exc).__name__}: {exc}"
             self.stats.set_phase("failed")
+            # A live process whose loop is gone trains nothing and looks up: exit, so the
+            # supervisor restarts it and the loop resumes from its checkpoint. A config
+            # error exits 2, which supervisors do not restart (a restart cannot fix it).
+            self.request_exit(2 if isinstance(exc, ConfigError) else 1,
+                              f"the training loop failed: {self.error}")
         finally:
             if self._weight_sync is not None:
                 try:  # leave the weight-update group so engines are not left waiting in it

@@ -4,7 +4,9 @@ The site adapter is submitted with sbatch and runs the recipe's `train --smoke`:
 built-in engine, router, sandbox, trainer and rollout, each its own srun step, on loopback.
 The trainer's step is SIGKILLed; the supervisor restarts it and it resumes from its
 checkpoint; then the job is cancelled and no process of it is left. Every group the rollout
-wrote is trained (in the last checkpoint) or still in the stream: nothing was lost.
+wrote is trained (in the last checkpoint) or still in the stream: nothing was lost. The
+recipe's `eval --smoke` scores the smoke model with the same steps minus Redis and trainer,
+and the job ends by itself with the result in the run directory.
 """
 
 from __future__ import annotations
@@ -175,3 +177,34 @@ def test_smoke_run_on_slurm_restarts_a_killed_step_and_cancel_leaves_nothing(
     assert produced, "the rollout wrote no group"
     lost = produced - set(trained) - streamed
     assert not lost, f"groups neither trained nor in the stream: {sorted(lost)}"
+
+
+def test_smoke_eval_on_slurm_scores_and_ends_by_itself(workdir: Path) -> None:
+    missing = missing_programs()
+    if missing:
+        pytest.skip(f"a Slurm cluster needs {', '.join(missing)}; `make test-deps` installs "
+                    "slurm-wlm and munge as root")
+    import json
+    import subprocess
+
+    out = workdir / "run"
+    job_out = workdir / "job.out"
+    with SlurmCluster(workdir / "cluster") as cluster:
+        env = {**cluster.env(), "RIPTIDE_PYTHON": sys.executable,
+               "RIPTIDE_HEAD_ADDRESS": "127.0.0.1", "PYTHONPATH": str(REPO)}
+        submit = ["sbatch", "--parsable", "--nodes=1", f"--chdir={workdir}",
+                  f"--output={job_out}", str(ADAPTER), "eval", "--smoke",
+                  "--port-base", str(_port_base()), "--output-dir", str(out)]
+        job = subprocess.run(submit, env=env, capture_output=True, text=True, check=True,
+                             timeout=30).stdout.strip()
+        _wait(lambda: not cluster.run(["squeue", "-h", "-j", job]).stdout.strip(),
+              "the eval job to end by itself", 300, job_out)
+        _wait(lambda: not _processes_mentioning(str(out)), "every step's processes to exit",
+              30, job_out)
+    text = job_out.read_text()
+    assert "[slurm] scoring done" in text, text[-3000:]
+    assert "start redis" not in text and "start trainer" not in text
+    result = json.loads((out / "eval" / "model" / "result.json").read_text())
+    assert result["num_tasks"] == 2 and result["done"] == result["expected"] == 4
+    assert all(len(e["rewards"]) == 2 for e in result["tasks"].values())
+    assert '"mean_success"' in text  # the recipe printed it

@@ -237,3 +237,41 @@ def test_killed_engine_is_restarted_resynced_and_reregistered(
     assert httpx.get(f"{victim['url']}/model_info").json()["weight_version"] == "3"
     wait_for(lambda: stack.state()["scheduler"]["written_groups"] >= written + 2,
              "groups after the restart")
+
+
+def test_out_of_range_weight_updates_are_invalid_arguments_and_lose_nothing(
+        stack: Stack, pusher: WeightPusher) -> None:
+    import grpc
+
+    from services._proto.riptide.v1 import rollout_pb2 as pb
+    from services._proto.riptide.v1 import rollout_pb2_grpc
+
+    weights = perturbed_weights(1.0)
+    wait_for(lambda: stack.state()["weight_updates"]["in_progress"] is False, "no update")
+    version = stack.state()["weight_version"] + 1
+    pusher.push(weights, version=version, num_buckets=1)  # the group is formed and kept
+    stub = rollout_pb2_grpc.RolloutStub(pusher.channel)
+
+    def begin(**fields: Any) -> pb.WeightUpdateRequest:
+        good = {"weight_version": version + 1, "master_address": "127.0.0.1",
+                "master_port": pusher.port, "group_name": pusher.group_name,
+                "backend": "gloo"}
+        return pb.WeightUpdateRequest(begin=pb.WeightUpdateBegin(**{**good, **fields}))
+
+    bad_bucket = pb.WeightUpdateRequest(bucket=pb.WeightBucket(bucket_index=0, tensors=[
+        pb.TensorSpec(name="model.norm.weight", dtype="complex128", shape=[64])]))
+    for stream in ([begin(weight_version=-1)], [begin(master_port=0)],
+                   [begin(backend="mpi")], [begin(), bad_bucket]):
+        with pytest.raises(grpc.RpcError) as rejected:
+            list(stub.UpdateWeights(iter(stream), timeout=60))
+        assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT, stream
+        assert len(rejected.value.details()) < 300, rejected.value.details()[:300]
+    state = stack.state()
+    assert state["weight_version"] == version and not state["needs_weights"]
+    assert not state["weight_updates"]["in_progress"]
+    assert not state["weight_updates"]["engines_paused"]
+    assert all(e["state"] == "ready" for e in state["engines"]), state["engines"]
+    # nothing wedged: the next real update goes through and episodes keep flowing
+    finished = state["scheduler"]["finished_samples"]
+    assert pusher.push(weights, version=version + 1, num_buckets=1)["committed"] == version + 1
+    wait_for(lambda: stack.state()["scheduler"]["finished_samples"] > finished, "episodes")

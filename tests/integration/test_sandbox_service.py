@@ -146,6 +146,31 @@ def test_unknown_task_is_not_found(services: dict[str, dict[str, object]]) -> No
     assert "ListTasks" in str(caught.value.details())
 
 
+def test_out_of_range_episode_requests_are_invalid_arguments(
+        services: dict[str, dict[str, object]]) -> None:
+    service = services["oracle"]
+    task = _tasks(str(service["grpc"]))[0]
+    sampling = common_pb2.SamplingParams
+    bad = [sandbox_pb2.RunEpisodeRequest(task_id="", sample_id="s"),
+           sandbox_pb2.RunEpisodeRequest(task_id=task, sample_id="s" * 100_000),
+           sandbox_pb2.RunEpisodeRequest(task_id=task, sample_id="s", group_id="g\x00"),
+           sandbox_pb2.RunEpisodeRequest(task_id=task, sample_id="s",
+                                         sampling_params=sampling(temperature=-1)),
+           sandbox_pb2.RunEpisodeRequest(task_id=task, sample_id="s",
+                                         sampling_params=sampling(top_p=7))]
+    with grpc.insecure_channel(str(service["grpc"])) as channel:
+        stub = sandbox_pb2_grpc.SandboxStub(channel)
+        for request in bad:
+            with pytest.raises(grpc.RpcError) as rejected:
+                list(stub.RunEpisode(request, timeout=10))
+            assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+            assert len(rejected.value.details()) < 300, rejected.value.details()[:300]
+    state = _admin(service, "/admin/state")["details"]
+    assert state["sandboxes_alive"] == 0, "no sandbox was made for a bad request"
+    _, trajectory = asyncio.run(_episode(str(service["grpc"]), task, "after-bad-input"))
+    assert trajectory.status == SCORED and trajectory.reward == 1.0  # still serving
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):

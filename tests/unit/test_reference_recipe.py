@@ -8,6 +8,7 @@ named in the plan's "Riptide lacks" list.
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -36,8 +37,8 @@ def load_recipe() -> ModuleType:
 recipe = load_recipe()
 
 
-def build(*flags: str) -> Any:
-    return recipe.build(recipe._parser().parse_args(["plan", *flags]))[0]
+def build(*flags: str, command: str = "plan") -> Any:
+    return recipe.build(recipe._parser().parse_args([command, *flags]))[0]
 
 
 def _get(config: Any, path: str) -> Any:
@@ -114,11 +115,15 @@ REFERENCE = [
     ("full activation recompute", "trainer.model.recompute_granularity", "full"),
     ("recompute method uniform", "trainer.model.recompute_method", "uniform"),
     ("recompute 1 layer per group", "trainer.model.recompute_num_layers", 1),
+    ("eval every 10 steps", "rollout.eval.interval_steps", 10),
+    ("eval on a disjoint task set (20 tasks)", "rollout.eval.num_tasks", 20),
+    ("eval: 2 samples a task", "rollout.eval.num_samples", 2),
+    ("eval at temperature 0.8", "rollout.eval.temperature", 0.8),
+    ("eval samples, not greedy", "rollout.eval.greedy", False),
 ]
 #: Rows with no Riptide setting: each must be named in the plan.
-LACKING = ["eval_interval_steps",
-           "per-pipeline-stage weight-update groups", "staging buffer", "end-only checkpoints",
-           "resource floors", "ready timeout", "keepalive", "rollout-only scoring mode"]
+LACKING = ["per-pipeline-stage weight-update groups", "staging buffer", "end-only checkpoints",
+           "resource floors", "ready timeout", "keepalive"]
 
 
 @pytest.mark.parametrize(("row", "setting", "expected"), REFERENCE, ids=[r[0] for r in REFERENCE])
@@ -206,7 +211,9 @@ def _ready_files(tmp_path: Path) -> list[str]:
 
 
 def _check_files(flags: list[str]) -> None:
-    args = recipe._parser().parse_args(["train", "--dry-run", *flags])
+    # The fixture's task folder is small: no held-out set unless a test asks for one.
+    args = recipe._parser().parse_args(["train", "--dry-run", "--eval-tasks", "0",
+                                        "--eval-interval", "0", *flags])
     recipe.check_files(args)
 
 
@@ -252,3 +259,83 @@ def test_slurm_adapter_is_valid_bash_and_short() -> None:
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert len(script.read_text().splitlines()) <= 70
+
+
+def test_eval_during_training_flags_fill_rollout_eval() -> None:
+    config = build("--eval-interval", "5", "--eval-tasks", "a,b", "--eval-samples", "3")
+    ev = config.rollout.eval
+    assert (ev.interval_steps, ev.task_ids, ev.num_tasks, ev.num_samples) == (5, ["a", "b"], 0, 3)
+    assert build("--eval-tasks", "0", "--eval-interval", "0").rollout.eval.interval_steps == 0
+    assert config.rollout.mode == "train"
+
+
+def test_eval_plan_scores_the_checkpoint_on_every_node_without_trainer(tmp_path: Path) -> None:
+    config = build("--checkpoint", "/ckpt/step-40", "--num-nodes", "8",
+                   "--output-dir", str(tmp_path), command="eval")
+    assert config.rollout.mode == "score" and config.run.name == "glm52-tbench2-eval"
+    assert config.rollout.eval.result_path == str(tmp_path / "eval" / "step-40" / "result.json")
+    assert config.rollout.fleet.model_path == "/ckpt/step-40"
+    assert config.rollout.weight_update.initial_weight_version == 40  # filed under step 40
+    assert config.rollout.eval.num_tasks == 20 and config.rollout.eval.interval_steps == 0
+    assert config.slurm.trainer_nodes == [] and len(config.rollout.fleet.attach_urls) == 8
+    steps = deployment_steps(config, tmp_path / "deploy.toml")
+    assert [s.name for s in steps] == [*(f"engine-{i}" for i in range(8)), "router", "sandbox",
+                                       "rollout"]  # no Redis, no trainer
+    assert "--weight-version 40" in " ".join(steps[0].command)
+    result = subprocess.run([sys.executable, str(RECIPE_DIR / "run_glm5_2_744b_a40b_daytona.py"),
+                             "eval", "--checkpoint", "/ckpt/step-40", "--num-nodes", "8",
+                             "--output-dir", str(tmp_path), "--dry-run"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "node00: engine-0, router, sandbox, rollout" in text and "trainer" not in text.split(
+        "## Deployment config")[0]
+    assert 'mode = "score"' in text and "engine GPU:" in text and "trainer rank:" not in text
+    assert f"result (per-task and mean success, JSON): {tmp_path}" in text
+
+
+@pytest.mark.parametrize(("command", "flags", "message"), [
+    ("eval", ["--num-nodes", "8"], "eval needs --checkpoint: a Hugging Face model folder"),
+    ("eval", ["--checkpoint", "c", "--resume"], "eval has nothing to resume"),
+    ("eval", ["--checkpoint", "c", "--eval-tasks", "0"], "--eval-tasks 0: no task to score"),
+    ("eval", ["--checkpoint", "c", "--num-nodes", "3", "--sglang-config", "low-latency",
+              "--gpus-per-node", "4"], "spans 2 nodes; 3 inference nodes do not split so"),
+    ("train", ["--eval-tasks", "all"], "--eval-tasks all holds out every task, leaving none"),
+    ("train", ["--eval-tasks", "0"], "--eval-tasks 0 holds out no task, so --eval-interval 10"
+                                     " evaluates nothing: pass --eval-interval 0"),
+    ("plan", ["--eval-interval", "-1"], "--eval-interval -1: weight versions between evals"),
+    ("plan", ["--eval-samples", "0"], "--eval-samples 0: at least 1 episode a task"),
+])
+def test_invalid_eval_combinations_fail_with_their_message(command: str, flags: list[str],
+                                                           message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build(*flags, command=command)
+
+
+def test_eval_files_and_task_set_are_checked(tmp_path: Path) -> None:
+    flags = _ready_files(tmp_path)
+    tasks = tmp_path / "tasks"
+    for name in ("t2", "t3"):
+        (tasks / name).mkdir()
+        (tasks / name / "task.toml").write_text("")
+    with pytest.raises(ConfigError, match=r"--eval-tasks 3: .* holds 3 tasks; at most 2 can "
+                                          r"be held out \(one is left to train\)"):
+        _check_files([*flags, "--eval-tasks", "3"])
+    with pytest.raises(ConfigError, match="--eval-tasks: .* has no task nope"):
+        _check_files([*flags, "--eval-tasks", "t1,nope"])
+    _check_files([*flags, "--eval-tasks", "t1,t2"])
+
+    def check_eval(*extra: str) -> None:
+        args = recipe._parser().parse_args(["eval", *flags, *extra])
+        recipe.build(args)
+        recipe.check_eval_files(args)
+
+    check_eval("--checkpoint", str(tmp_path / "bf16"), "--eval-tasks", "3", "--num-nodes", "2")
+    with pytest.raises(ConfigError, match="--checkpoint .*/none: no such folder"):
+        check_eval("--checkpoint", str(tmp_path / "none"), "--eval-tasks", "1")
+    trainer_ckpt = tmp_path / "out" / "checkpoints" / "step-2"
+    trainer_ckpt.mkdir(parents=True)
+    check_eval("--checkpoint", str(trainer_ckpt), "--eval-tasks", "all")
+    with pytest.raises(ConfigError, match="is a trainer checkpoint .*--model-dir"):
+        check_eval("--checkpoint", str(trainer_ckpt), "--model-dir", str(tmp_path / "none"),
+                   "--eval-tasks", "all")

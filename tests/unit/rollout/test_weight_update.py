@@ -11,6 +11,7 @@ import pytest
 from services._proto.riptide.v1 import rollout_pb2 as pb
 from services.common.engine_client import EngineCallError
 from services.common.engine_contract import EngineLoad
+from services.common.errors import InvalidRequest
 from services.rollout.config import FleetConfig, WeightUpdateConfig
 from services.rollout.fleet import EngineFleet
 from services.rollout.router_link import RouterView
@@ -266,5 +267,93 @@ def test_trainer_leaving_right_after_commit_keeps_the_group() -> None:
         await events.aclose()  # type: ignore[attr-defined]
         assert coordinator.history[-1]["status"] == "committed"
         assert (await _events(coordinator, _stream(2, 1)))[0] == ("group", (8, False))
+
+    asyncio.run(main())
+
+
+def _begin(**fields: Any) -> pb.WeightUpdateRequest:
+    good: dict[str, Any] = {"weight_version": 2, "master_address": "127.0.0.1",
+                            "master_port": 29500, "group_name": "wu", "backend": "gloo"}
+    return pb.WeightUpdateRequest(begin=pb.WeightUpdateBegin(**{**good, **fields}))
+
+
+def _bucket(index: int = 0, **tensor: Any) -> pb.WeightUpdateRequest:
+    spec = {"name": "w", "dtype": "bfloat16", "shape": [2, 3], **tensor}
+    return pb.WeightUpdateRequest(bucket=pb.WeightBucket(bucket_index=index,
+                                                         tensors=[pb.TensorSpec(**spec)]))
+
+
+async def _requests(*items: pb.WeightUpdateRequest) -> AsyncIterator[pb.WeightUpdateRequest]:
+    for item in items:
+        yield item
+
+
+@pytest.mark.parametrize(("begin", "message"), [
+    (_begin(weight_version=-3), "begin.weight_version: must be 0 or more, got -3"),
+    (_begin(master_port=0), "begin.master_port: must be in [1, 65535], got 0"),
+    (_begin(master_address=""), "begin.master_address: a host name or address is needed"),
+    (_begin(master_address="h" * 10_000), "(10000 chars)"),
+    (_begin(group_name=""), "begin.group_name: 1 to 128 characters"),
+    (_begin(backend="mpi"), "begin.backend: one of gloo, nccl, got mpi"),
+])
+def test_a_bad_begin_is_refused_before_any_engine_is_touched(
+        begin: pb.WeightUpdateRequest, message: str) -> None:
+    async def main() -> None:
+        coordinator, engines, router, committed = await _setup()
+        engines.calls.clear()
+        with pytest.raises(InvalidRequest) as info:
+            await _events(coordinator, _requests(begin, _bucket(), pb.WeightUpdateRequest(
+                commit=pb.WeightUpdateCommit())))
+        assert message in str(info.value) and len(str(info.value)) < 200
+        assert engines.calls == [] and not coordinator.state()["in_progress"]
+        assert committed == [] and not coordinator.history
+        assert (await _events(coordinator, _stream(1, 1)))[-1] == ("committed", 1)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("bucket", "message"), [
+    (_bucket(index=3), "buckets come in order from 0, expected 0, got 3"),
+    (_bucket(dtype="complex128"), "bucket 0 tensors[0].dtype: one of bfloat16"),
+    (_bucket(shape=[4, -1]), "bucket 0 tensors[0].shape: at most 8 dimensions of 1 or more"),
+    (_bucket(shape=[2**21, 2**21]), f"and at most {2**40} elements, got [2097152, 2097152]"),
+    (_bucket(shape=[1] * 9), "at most 8 dimensions"),
+    (_bucket(name=""), "bucket 0 tensors[0].name: 1 to 512 characters"),
+    (pb.WeightUpdateRequest(bucket=pb.WeightBucket(bucket_index=0)),
+     "bucket 0: 1 to 100000 tensors, got 0"),
+    (pb.WeightUpdateRequest(bucket=pb.WeightBucket(bucket_index=0, tensors=[
+        pb.TensorSpec(name="w", dtype="float32", shape=[1])] * 2)),
+     "name: w appears twice in the bucket"),
+])
+def test_a_bad_first_bucket_reaches_no_engine_and_loses_nothing(
+        bucket: pb.WeightUpdateRequest, message: str) -> None:
+    async def main() -> None:
+        coordinator, engines, router, committed = await _setup()
+        await _events(coordinator, _stream(1, 1))
+        engines.calls.clear()
+        with pytest.raises(InvalidRequest) as info:
+            await _events(coordinator, _requests(_begin(), bucket))
+        assert message in str(info.value), str(info.value)
+        assert not engines.steps("update"), "no engine saw the bad bucket"
+        # No weight moved: the engines go on generating at v1, still routed.
+        assert len(engines.steps("continue")) == 3 and not coordinator.engines_paused
+        assert sorted(router.registered) == sorted(URLS) and coordinator.abandoned == 0
+        assert not coordinator.fleet.needs_weights and committed == [1]
+        assert coordinator.history[-1]["status"] == "failed"
+        events = await _events(coordinator, _stream(2, 1))  # the next update goes through
+        assert events[0] == ("group", (8, True)) and events[-1] == ("committed", 2)
+
+    asyncio.run(main())
+
+
+def test_a_bad_bucket_after_loaded_ones_releases_the_engines_for_a_full_update() -> None:
+    async def main() -> None:
+        coordinator, engines, router, committed = await _setup()
+        await _events(coordinator, _stream(1, 1))
+        with pytest.raises(InvalidRequest, match="buckets come in order from 0, expected 1"):
+            await _events(coordinator, _requests(_begin(), _bucket(0), _bucket(0)))
+        # Bucket 0 was loaded: weights may be mixed, so out of the router until a full update.
+        assert not coordinator.engines_paused and coordinator.abandoned == 1
+        assert router.registered == [] and coordinator.fleet.needs_weights
 
     asyncio.run(main())

@@ -15,13 +15,13 @@ from services.slurm.steps import deployment_steps
 CONFIG = Path("/shared/run/deploy.toml")
 
 
-def _config(**slurm: Any) -> Any:
+def _config(rollout: dict[str, Any] | None = None, **slurm: Any) -> Any:
     data: dict[str, Any] = {
         "run": {"admin_token": "a-token-of-some-length"},
         "redis": {"url": "redis://head:6379/0"},
-        "rollout": {"host": "head", "fleet": {"kind": "attach", "model_path": "/m/fp8",
-                                              "attach_urls": ["http://n2:30000",
-                                                              "http://n4:30000"]}},
+        "rollout": {"host": "head", **(rollout or {}),
+                    "fleet": {"kind": "attach", "model_path": "/m/fp8",
+                              "attach_urls": ["http://n2:30000", "http://n4:30000"]}},
         "trainer": {"host": "n0", "parallel": {"launcher": "external"}},
         "slurm": {"head_node": "n0", "trainer_nodes": ["n0", "n1"], "trainer_ranks_per_node": 4,
                   "engine_nodes": ["n2", "n3", "n4", "n5"], "nodes_per_engine": 2, **slurm},
@@ -60,3 +60,21 @@ def test_configs_that_cannot_be_placed_say_why() -> None:
     config.trainer.parallel.launcher = "local"
     with pytest.raises(ConfigError, match="8 ranks, which srun starts"):
         deployment_steps(config, CONFIG)
+
+
+def test_score_mode_runs_no_redis_and_no_trainer_and_ends_with_its_result(tmp_path: Path
+                                                                           ) -> None:
+    from services.slurm.supervisor import scoring_done
+
+    result = tmp_path / "result.json"
+    score = {"mode": "score", "eval": {"result_path": str(result)}}
+    config = _config(score, trainer_nodes=[])
+    assert [s.name for s in deployment_steps(config, CONFIG)] == [
+        "engine-0", "engine-1", "router", "sandbox", "rollout"]
+    with pytest.raises(ConfigError, match="runs no trainer: leave slurm.trainer_nodes empty"):
+        deployment_steps(_config(score), CONFIG)
+    assert not scoring_done(config, "rollout", 0), "no result file yet"
+    result.write_text("{}")
+    assert scoring_done(config, "rollout", 0)
+    assert not scoring_done(config, "rollout", 1) and not scoring_done(config, "router", 0)
+    assert not scoring_done(_config(), "rollout", 0), "train mode never ends so"
