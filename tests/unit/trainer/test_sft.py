@@ -58,3 +58,15 @@ def test_settings_out_of_bounds_are_config_errors() -> None:
         validate_section(SftConfig, {"hf_path": "m", "num_steps": 0}, "riptide sft")
     with pytest.raises(ConfigError, match="lr"):
         validate_section(SftConfig, {"hf_path": "m", "lr": -1.0}, "riptide sft")
+
+
+def test_riptide_sft_refuses_bad_input_before_starting_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+
+    base = ["sft", "--model", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert main([*base, "--tasks", str(tmp_path), "--steps", "0"]) == 2
+    assert "num_steps" in capsys.readouterr().err
+    assert main([*base, "--tasks", str(tmp_path / "none")]) == 2
+    assert "not a directory of tasks" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
