@@ -71,6 +71,28 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--engine-threads", type=int, default=None,
                     help="the engine's CPU threads (default: the engine's own)")
 
+    sft = sub.add_parser("sft", help="warm start: train a model on the oracle solutions of a "
+                                     "task folder in an agent protocol; prints JSON")
+    sft.add_argument("--tasks", required=True, type=Path,
+                     help="folder of task folders with solution/solve.sh (training tasks only)")
+    sft.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
+    sft.add_argument("--protocol", default="markdown_bash",
+                     choices=("tagged", "markdown_bash", "terminus2"))
+    sft.add_argument("--out", required=True, type=Path,
+                     help="output folder: trajectories.jsonl, checkpoints/step-<n>, hf/")
+    sft.add_argument("--trajectories", type=Path, default=None,
+                     help="train on this JSONL of {ids, loss_mask} instead of building one")
+    sft.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    sft.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate (constant)")
+    sft.add_argument("--batch-size", type=int, default=8, help="trajectories per step")
+    sft.add_argument("--max-tokens", type=int, default=4096,
+                     help="tokens per forward/backward micro-batch")
+    sft.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                     help="parameter dtype (the optimizer keeps fp32 master weights)")
+    sft.add_argument("--seed", type=int, default=0, help="seed of the data order")
+    sft.add_argument("--max-context-tokens", type=int, default=2048,
+                     help="context cap of the episodes the trajectories come from")
+
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("create-tiny", help="write a tiny random model (no download)")
@@ -197,6 +219,61 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from services.common.config import validate_section
+    from services.trainer.sft import SftConfig
+
+    started = time.monotonic()
+    # Bad settings fail here, before any sandbox or model starts.
+    config = validate_section(SftConfig, {
+        "hf_path": str(args.model), "num_steps": args.steps, "batch_size": args.batch_size,
+        "lr": args.lr, "max_tokens_per_microbatch": args.max_tokens, "dtype": args.dtype,
+        "seed": args.seed}, "riptide sft")
+    trajectories = args.trajectories
+    build: dict[str, object] = {}
+    if trajectories is None:
+        trajectories, build = _build_warm_start(args)
+    from services.trainer.sft import load_sequences, train_sft
+
+    result = train_sft(load_sequences(trajectories), config, args.out)
+    print(json.dumps({**result, **build, "trajectories": str(trajectories),
+                      "wall_s": round(time.monotonic() - started, 2)}))
+    return 0
+
+
+def _build_warm_start(args: argparse.Namespace) -> tuple[Path, dict[str, object]]:
+    """Write the oracle episodes of `--tasks` as `<out>/trajectories.jsonl`."""
+    import time
+
+    from services.sandbox.chat_format import ChatFormat
+    from services.sandbox.config import AgentConfig
+    from services.sandbox.providers.local import LocalProvider, LocalProviderConfig
+    from services.sandbox.server import load_tokenizer
+    from services.sandbox.task import TaskSet
+    from services.sandbox.warm_start import WarmStartRow, build_rows, write_rows
+
+    started = time.monotonic()
+    tasks = TaskSet.load(args.tasks)
+    agent = AgentConfig(protocol=args.protocol, max_context_tokens=args.max_context_tokens,
+                        default_command_timeout_s=10.0, wall_time_s=300.0)
+    chat = ChatFormat(load_tokenizer(str(args.model)))
+
+    async def run() -> list[WarmStartRow]:
+        provider = LocalProvider(LocalProviderConfig())
+        try:
+            return await build_rows(tasks, chat, provider, agent)
+        finally:
+            await provider.close()
+
+    rows = asyncio.run(run())
+    path = write_rows(rows, args.out / "trajectories.jsonl")
+    return path, {"num_tasks": len(rows), "protocol": args.protocol,
+                  "build_s": round(time.monotonic() - started, 2)}
+
+
 def _eval_model(args: argparse.Namespace) -> Path:
     """The Hugging Face folder to serve: given, exported from a trainer checkpoint, or tiny."""
     from services.common.errors import ConfigError
@@ -218,7 +295,7 @@ def _eval_model(args: argparse.Namespace) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"serve": _serve, "up": _up, "status": _status, "model": _model,
-                "eval": _eval}
+                "eval": _eval, "sft": _sft}
     try:
         return handlers[args.command](args)
     except RiptideError as exc:

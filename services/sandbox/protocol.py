@@ -22,6 +22,9 @@ from services.sandbox.reply_format import Reply, format_observation
 #: The protocols `make_protocol` knows, by their `type`.
 PROTOCOL_TYPES = ("tagged", "markdown_bash", "terminus2")
 
+#: The reasoning of a scripted command turn when the caller gives none.
+SCRIPTED_THOUGHT = "Running a scripted command."
+
 STATE_NOTE = {
     True: "commands run one after another in one shell: the working directory, variables "
           "and functions carry over to later commands, as in a terminal",
@@ -55,8 +58,10 @@ class AgentProtocol(abc.ABC):
         parts are listed in `problems` (shown to the model next turn), never raised."""
 
     @abc.abstractmethod
-    def script(self, commands: list[str], timeout_s: float) -> list[str]:
-        """Assistant turns that run `commands` in order, then end the episode."""
+    def script(self, commands: list[str], timeout_s: float,
+               thought: str = SCRIPTED_THOUGHT) -> list[str]:
+        """Assistant turns that run `commands` in order, each with `thought` as its
+        reasoning, then end the episode."""
 
     def finished(self, reply: Reply, results: list[ExecResult]) -> bool:
         """Whether the episode ends after this reply's commands ran."""

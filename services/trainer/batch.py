@@ -162,6 +162,29 @@ def _group_rows(rows: list[_Row], budget: int, packed: bool) -> list[list[_Row]]
     return out
 
 
+def _micro_batches(rows: list[_Row], budget: int, pad_id: int, packed: bool) -> list[MicroBatch]:
+    rows = sorted(rows, key=lambda r: len(r.ids), reverse=True)
+    groups = _group_rows(rows, budget, packed)
+    return [_packed_micro_batch(g) if packed else _micro_batch(g, pad_id) for g in groups]
+
+
+def sequence_micro_batches(
+    sequences: list[tuple[list[int], list[int]]],
+    max_tokens_per_microbatch: int,
+    pad_id: int = 0,
+    packed: bool = False,
+) -> list[MicroBatch]:
+    """Micro-batches of plain (ids, loss mask) sequences, as supervised fine-tuning trains on
+    them (no advantages, no rollout log-probs), cut as `pack_groups` cuts samples."""
+    rows = []
+    for i, (ids, mask) in enumerate(sequences):
+        if len(mask) != len(ids):
+            raise InvalidRequest(f"sequence {i}: loss_mask ({len(mask)}) must have one entry "
+                                 f"per id ({len(ids)})")
+        rows.append(_Row(list(ids), [int(m != 0) for m in mask], [0.0] * len(ids), 0.0))
+    return _micro_batches(rows, max_tokens_per_microbatch, pad_id, packed)
+
+
 def pack_groups(
     entries: list[tuple[str, Group]],
     normalize_std: bool,
@@ -179,11 +202,8 @@ def pack_groups(
         rows += group_rows
         rewards += group_rewards
         dropped += group_dropped
-    rows.sort(key=lambda r: len(r.ids), reverse=True)
-    groups = _group_rows(rows, max_tokens_per_microbatch, packed)
-    micro = [_packed_micro_batch(g) if packed else _micro_batch(g, pad_id) for g in groups]
     return RolloutBatch(
-        micro_batches=micro,
+        micro_batches=_micro_batches(rows, max_tokens_per_microbatch, pad_id, packed),
         entry_ids=[entry_id for entry_id, _ in entries],
         group_ids=[g.group_id for _, g in entries],
         rewards=rewards,

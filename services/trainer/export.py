@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 from services.common.errors import ConfigError
 from services.trainer.policy import MODEL_FILE
@@ -21,10 +22,8 @@ def export_checkpoint(checkpoint: Path, base_hf_path: Path, out: Path,
                       dtype: str = "float32") -> Path:
     """Write `checkpoint`'s weights as a Hugging Face folder `out` (made atomically)."""
     import torch
-    from safetensors.torch import save_file
 
     from services.trainer.config import TrainerConfig
-    from services.trainer.convert import iter_hf_tensors
     from services.trainer.megatron_policy import build_model
 
     weights = checkpoint / MODEL_FILE
@@ -35,6 +34,17 @@ def export_checkpoint(checkpoint: Path, base_hf_path: Path, out: Path,
                                                      "dtype": dtype}})
     model, shape, _, _ = build_model(config)
     model.load_state_dict(torch.load(weights, weights_only=True))
+    return write_hf_folder(model, shape, base_hf_path, out)
+
+
+def write_hf_folder(model: Any, shape: Any, base_hf_path: Path, out: Path) -> Path:
+    """Write a one-rank megatron `model` (of `shape`, a model.ModelShape) as a Hugging Face
+    folder `out` in fp32, with the base folder's config and tokenizer (made atomically)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from services.trainer.convert import iter_hf_tensors
+
     tensors = {name: t.detach().to(torch.float32).contiguous().clone()
                for name, t in iter_hf_tensors(model, shape)}
     staging = out.with_name(f".{out.name}.tmp")

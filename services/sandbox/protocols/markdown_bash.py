@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from services.sandbox.protocol import AgentProtocol
+from services.sandbox.protocol import SCRIPTED_THOUGHT, AgentProtocol
 from services.sandbox.provider import ExecResult
 from services.sandbox.reply_format import Command, Reply
 
@@ -74,7 +74,8 @@ class MarkdownBashProtocol(AgentProtocol):
         return any(r.exit_code == 0 and r.output.lstrip().startswith(COMPLETION_LINE)
                    for r in results)
 
-    def script(self, commands: list[str], timeout_s: float) -> list[str]:
-        turns = [f"THOUGHT: Running a scripted command.\n```bash\n{command}\n```"
+    def script(self, commands: list[str], timeout_s: float,
+               thought: str = SCRIPTED_THOUGHT) -> list[str]:
+        turns = [f"THOUGHT: {thought}\n```bash\n{command}\n```"
                  for command in commands]
         return [*turns, f"THOUGHT: Done.\n```bash\necho {COMPLETION_LINE}\n```"]

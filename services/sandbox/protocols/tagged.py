@@ -6,7 +6,7 @@ its commands ran.
 
 from __future__ import annotations
 
-from services.sandbox.protocol import AgentProtocol
+from services.sandbox.protocol import SCRIPTED_THOUGHT, AgentProtocol
 from services.sandbox.reply_format import Reply, parse_reply
 
 _PROMPT = """You are an expert engineer working in a Linux terminal to solve a task.
@@ -41,7 +41,8 @@ class TaggedProtocol(AgentProtocol):
         return parse_reply(text, self.limits.default_command_timeout_s,
                            self.limits.max_command_timeout_s)
 
-    def script(self, commands: list[str], timeout_s: float) -> list[str]:
-        turns = [f"<analysis>Running a scripted command.</analysis>\n"
+    def script(self, commands: list[str], timeout_s: float,
+               thought: str = SCRIPTED_THOUGHT) -> list[str]:
+        turns = [f"<analysis>{thought}</analysis>\n"
                  f'<command timeout="{timeout_s:g}">{command}</command>' for command in commands]
         return [*turns, "<analysis>Done.</analysis>\n<task_complete/>"]

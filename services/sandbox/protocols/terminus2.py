@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.sandbox.protocol import AgentProtocol
+from services.sandbox.protocol import SCRIPTED_THOUGHT, AgentProtocol
 from services.sandbox.provider import ExecResult
 from services.sandbox.reply_format import Command, Reply, format_observation
 
@@ -128,9 +128,10 @@ class Terminus2Protocol(AgentProtocol):
         text = format_observation(blocks, reply.problems, self.limits.max_observation_chars)
         return f"{text}\n\n{CONFIRM}" if self.pending_completion else text
 
-    def script(self, commands: list[str], timeout_s: float) -> list[str]:
+    def script(self, commands: list[str], timeout_s: float,
+               thought: str = SCRIPTED_THOUGHT) -> list[str]:
         def turn(keys: list[str], complete: bool) -> str:
-            return json.dumps({"analysis": "Scripted.", "plan": "Run the scripted commands.",
+            return json.dumps({"analysis": thought, "plan": "Run the scripted commands.",
                                "commands": [{"keystrokes": k + "\n", "duration": timeout_s}
                                             for k in keys],
                                "task_complete": complete})
