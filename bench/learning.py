@@ -1,21 +1,28 @@
 """The learning run: a real small model, the starter tasks, the whole fully-async loop.
 
-SmolLM2-135M-Instruct (`riptide model fetch smollm2-135m`, or `--model FOLDER`) trains with RL
-only (no warm start) on tasks/starter/train through the local stack (Redis, router, rollout
-with a built-in engine, sandbox with local sandboxes, trainer), the markdown-bash protocol,
-evaluation of tasks/starter/heldout during training every `--eval-interval` weight versions.
-Before and after, `riptide eval` scores the held-out tasks greedily with the initial weights
-and with the last checkpoint (same tasks, same settings). The baseline is the initial model.
+SmolLM2-135M-Instruct (`riptide model fetch smollm2-135m`, or `--model FOLDER`), optionally
+warm-started first (`--warm-start-steps N`: `riptide sft` on the oracle solutions of
+tasks/starter/train, reported as its own figure), then trains with RL on tasks/starter/train
+through the local stack (Redis, router, rollout with a built-in engine, sandbox with local
+sandboxes, trainer), the markdown-bash protocol, evaluation of tasks/starter/heldout during
+training every `--eval-interval` weight versions. Before and after RL, `riptide eval` scores the
+held-out tasks greedily with the RL run's initial weights (the warm-started ones, if any) and
+with its last checkpoint: same tasks, same settings, same engine. The baseline is the RL run's
+initial model; `rl_from` says which it is.
 
-Usage: python bench/learning.py [--steps 20] [--budget-min 30] [--model FOLDER]
+On CPU the engine and the trainer compute in bfloat16 (`--dtype`; Adam keeps fp32 master
+weights), which is several times faster than fp32 on processors with bf16 matrix units.
+
+Usage: python bench/learning.py [--steps 40] [--budget-min 30] [--warm-start-steps 12]
 Last line: {"per_step_reward": [...], "heldout_initial": x, "heldout_final": y,
-            "eval_by_weight_version": {...}, "warm_start": null, "wall_s": ...}
+            "eval_by_weight_version": {...}, "warm_start": {...} | null, "wall_s": ...}
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -33,9 +40,10 @@ AGENT = {"protocol": "markdown_bash", "max_turns": 3, "max_new_tokens": 64,
          "max_context_tokens": 2048, "wall_time_s": 300.0, "default_command_timeout_s": 10.0}
 
 
-def _eval(checkpoint: Path, base: Path | None, work: Path) -> dict[str, Any]:
+def _eval(checkpoint: Path, base: Path | None, work: Path, dtype: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "services.cli", "eval", "--tasks", str(STARTER / "heldout"),
            "--checkpoint", str(checkpoint), "--greedy", "--dir", str(work),
+           "--engine-dtype", dtype, "--concurrency", "5",
            "--protocol", AGENT["protocol"], "--max-turns", str(AGENT["max_turns"]),
            "--max-new-tokens", str(AGENT["max_new_tokens"]),
            "--max-context-tokens", str(AGENT["max_context_tokens"])]
@@ -43,6 +51,18 @@ def _eval(checkpoint: Path, base: Path | None, work: Path) -> dict[str, Any]:
         cmd += ["--base", str(base)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _warm_start(model: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """`riptide sft` on the training tasks' oracle solutions; its JSON (with `hf`, the folder)."""
+    cmd = [sys.executable, "-m", "services.cli", "sft", "--tasks", str(STARTER / "train"),
+           "--model", str(model), "--protocol", AGENT["protocol"], "--out", str(out),
+           "--steps", str(args.warm_start_steps), "--batch-size", "4",
+           "--lr", str(args.warm_start_lr), "--dtype", args.dtype]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        raise SystemExit(f"riptide sft failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def _tasks_dir(run_dir: Path) -> Path:
@@ -65,14 +85,17 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
             "num_groups_per_batch": args.groups_per_step, "max_new_tokens": AGENT["max_new_tokens"],
             "temperature": 0.8, "max_staleness": 2, "drop_zero_variance_groups": True},
             "fleet": {"model_path": str(model), "start_timeout_s": 600.0,
-                      "builtin_args": ["--num-threads", str(args.engine_threads)]},
+                      "builtin_args": ["--num-threads", str(args.engine_threads),
+                                       "--dtype", args.dtype]},
             "eval": {"interval_steps": args.eval_interval, "task_ids": heldout,
                      "greedy": True}},
         "sandbox": {"tasks_dir": str(_tasks_dir(run_dir)), "tokenizer_path": str(model),
                     "max_concurrent_episodes": args.in_flight, "agent": AGENT},
         "trainer": {"rollout_batch_size": args.groups_per_step,
                     "max_tokens_per_microbatch": 4096,
-                    "model": {"hf_path": str(model)}, "optimizer": {"lr": args.lr}},
+                    "model": {"hf_path": str(model), "dtype": args.dtype},
+                    "optimizer": {"lr": args.lr},
+                    "weight_sync": {"dtype": args.dtype}},
     })
 
 
@@ -88,16 +111,21 @@ def _details(config: Any, name: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--budget-min", type=float, default=30.0, help="wall time of the run")
     parser.add_argument("--model", type=Path, default=None, help="default: smollm2-135m")
     parser.add_argument("--dir", type=Path, default=REPO / ".riptide" / "learn")
-    parser.add_argument("--lr", type=float, default=2e-6)
-    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups-per-step", type=int, default=2)
-    parser.add_argument("--in-flight", type=int, default=6)
+    parser.add_argument("--in-flight", type=int, default=8)
     parser.add_argument("--engine-threads", type=int, default=2)
     parser.add_argument("--eval-interval", type=int, default=5)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                        help="engine and trainer compute dtype")
+    parser.add_argument("--warm-start-steps", type=int, default=12,
+                        help="riptide sft steps (4 trajectories each) before RL; 0: RL only")
+    parser.add_argument("--warm-start-lr", type=float, default=3e-5)
     args = parser.parse_args()
     started = time.monotonic()
     if args.model is None:
@@ -105,14 +133,25 @@ def main() -> None:
 
         args.model = fetch_model("smollm2-135m", Path.home() / ".cache" / "riptide" / "models")
     run_dir = args.dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    initial = _eval(args.model, None, run_dir / "eval-initial")
+    if run_dir.exists():  # a fresh run each time: a stale checkpoint would be resumed
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    warm: dict[str, Any] | None = None
+    rl_from = "raw model (no warm start)"
+    if args.warm_start_steps:
+        warm = _warm_start(args.model, run_dir / "sft", args)
+        args.model = run_dir / "sft" / "hf"
+        rl_from = f"warm start: riptide sft, {args.warm_start_steps} steps"
+    print(f"[learn] held-out eval of the initial weights ({args.model})", file=sys.stderr,
+          flush=True)
+    initial = _eval(args.model, None, run_dir / "eval-initial", args.dtype)
+    rl_started = time.monotonic()
+    deadline = rl_started + args.budget_min * 60
     config = _config(run_dir, args.model, args)
     path = run_dir / "config.toml"
     path.write_text(dump_config(config))
     stack = LocalStack(run_dir, path, say=lambda m: print(m, file=sys.stderr, flush=True))
     rewards: dict[int, float] = {}
-    deadline = started + args.budget_min * 60
     try:
         stack.start(ready_timeout_s=900)
         while len(rewards) < args.steps and time.monotonic() < deadline:
@@ -128,11 +167,13 @@ def main() -> None:
         trainer = _details(config, "trainer")
     finally:
         stack.stop()
+    rl_wall_s = time.monotonic() - rl_started
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"),
                          key=lambda p: int(p.name.split("-")[1]))
-    final = _eval(checkpoints[-1], args.model, run_dir / "eval-final") if checkpoints else {}
+    final = (_eval(checkpoints[-1], args.model, run_dir / "eval-final", args.dtype)
+             if checkpoints else {})
     print(json.dumps({
-        "model": str(args.model), "rl_from": "raw model (no warm start)",
+        "model": str(args.model), "rl_from": rl_from,
         "steps": trainer.get("step"), "groups_trained": trainer.get("num_groups_trained"),
         "per_step_reward": [rewards[k] for k in sorted(rewards)],
         "heldout_initial": initial["mean_success"],
@@ -141,7 +182,12 @@ def main() -> None:
                                    for v, e in (rollout.get("eval") or {}).items()},
         "groups_dropped": rollout.get("dropped_groups"),
         "mismatch_kl_last_step": (trainer.get("last_step") or {}).get("mismatch_kl"),
-        "warm_start": None, "wall_s": round(time.monotonic() - started, 1)}))
+        "heldout_initial_tasks": {t: r["success"] for t, r in initial["tasks"].items()},
+        "heldout_final_tasks": {t: r["success"] for t, r in (final.get("tasks") or {}).items()},
+        "warm_start": None if warm is None else {
+            "steps": warm.get("steps"), "losses": warm.get("losses"),
+            "wall_s": warm.get("wall_s")},
+        "rl_wall_s": round(rl_wall_s, 1), "wall_s": round(time.monotonic() - started, 1)}))
 
 
 if __name__ == "__main__":
