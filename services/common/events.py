@@ -44,6 +44,7 @@ KINDS: dict[str, str] = {
                     "the previous step spent waiting for data)",
     "trainer.wait_data": "span the trainer waited for groups: groups (how many it got)",
     "trainer.checkpoint": "span of a checkpoint save: step",
+    "trainer.group_dropped": "instant: a group read but not trained: group_id, reason (stale)",
     "trainer.weight_sync": "span of a whole weight broadcast: bytes, buckets",
     "trainer.weight_sync.bucket": "span of one bucket's broadcast: index, bytes",
     "rollout.engine_pause": "span an engine was paused (pause..resume): engine, reason",
@@ -118,6 +119,11 @@ class EventPublisher:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.dropped = 0
+
+    @classmethod
+    def disabled(cls, service: Service) -> EventPublisher:
+        """A publisher that drops nothing and writes nothing (events off, or in tests)."""
+        return cls("redis://127.0.0.1:0/0", "", service, EventsConfig(enabled=False))
 
     def publish(self, kind: str, *, id: str = "", start: float | None = None,
                 end: float | None = None, weight_version: int | None = None,
