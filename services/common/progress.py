@@ -63,7 +63,7 @@ class StepProgress:
         # Stream ids begin with their unix ms: steps of an earlier (resumed) run are skipped.
         self._cursor = f"{int(time.time() * 1000)}-0"
         self._load: Event | None = None
-        self._first: tuple[float, int] | None = None  # (wall time, step) of the first line
+        self._first: tuple[float, int] | None = None  # (end, step) of the first step seen
 
     def poll(self) -> list[str]:
         """Lines for the steps published since the last poll ([] while Redis is away)."""
@@ -81,15 +81,16 @@ class StepProgress:
         return lines
 
     def _eta(self, step: Event) -> float | None:
+        """Steps left times the mean time per step between the first step seen and this."""
         number = int(step.attrs.get("step", 0))
         if self._target is None:
             return None
         if self._first is None:
-            self._first = (time.time(), number)
+            self._first = (step.end, number)
             return None
-        began, first = self._first
+        first_end, first = self._first
         done = number - first
-        return (self._target - number) * (time.time() - began) / done if done > 0 else None
+        return (self._target - number) * (step.end - first_end) / done if done > 0 else None
 
     def close(self) -> None:
         self._client.close()
