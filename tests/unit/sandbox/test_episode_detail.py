@@ -15,11 +15,10 @@ def test_the_record_has_every_field_and_one_text_per_token() -> None:
     prompt = tokenizer.encode("hi", add_special_tokens=False)
     response = tokenizer.encode("ls", add_special_tokens=False)
     trajectory = common_pb2.Trajectory(
-        sample_id="s", group_id="g", task_id="t", prompt_ids=prompt, response_ids=response,
-        loss_mask=[1] * len(response), rollout_logprobs=[-0.5] * len(response),
-        engine_url="http://e", dp_rank=1, finish_reason="complete")
-    run = AgentRun(TokenTrace(prompt), turns=[{"assistant": "ls", "commands": ["ls"],
-                                               "observation": "a b"}])
+        sample_id="s", group_id="g", task_id="t", engine_url="http://e", dp_rank=1,
+        finish_reason="complete")
+    trace = TokenTrace(prompt, response, [1] * len(response), [-0.5] * len(response))
+    run = AgentRun(trace, turns=[{"assistant": "ls", "commands": ["ls"], "observation": "a b"}])
     verdict = Verdict(common_pb2.VERDICT_STATUS_SCORED, 1.0, exit_code=0)
     record = episode_detail(trajectory, run, verdict,
                             lambda ids: tokenizer.decode(ids))()
@@ -28,5 +27,6 @@ def test_the_record_has_every_field_and_one_text_per_token() -> None:
     ids = record["tokens"]["ids"]
     assert ids == prompt + response and record["num_prompt_tokens"] == len(prompt)
     assert record["tokens"]["loss_mask"] == [0] * len(prompt) + [1] * len(response)
+    assert record["tokens"]["logprobs"] == [0.0] * len(prompt) + [-0.5] * len(response)
     assert "".join(record["token_text"]) == "hils"
     assert record["turns"][0]["observation"] == "a b"
