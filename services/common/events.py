@@ -205,7 +205,8 @@ class EventPublisher:
     def _write_loop(self) -> None:
         client = redis.Redis.from_url(
             self._url, socket_connect_timeout=self._connect_timeout_s,
-            socket_timeout=self._connect_timeout_s, protocol=2)
+            socket_timeout=max(self._connect_timeout_s, 5.0), protocol=2)
+        failing = False
         while not (self._closing and not self._queue):
             self._wake.wait(0.05)
             batch = [self._queue.popleft() for _ in range(min(len(self._queue), 512))]
@@ -213,10 +214,15 @@ class EventPublisher:
                 continue
             try:
                 self._write(client, batch)
+                if failing:
+                    failing = False
+                    log.info("events are written again", extra={"dropped": self.dropped})
             except Exception as exc:  # noqa: BLE001 - a publisher never takes its service down
                 self._drop("redis_unavailable", len(batch))
-                log.warning("events not written", extra={"error": str(exc)[:200],
-                                                         "dropped": len(batch)})
+                if not failing:  # once per outage, not once per batch
+                    failing = True
+                    log.warning("events not written; dropping them until Redis answers",
+                                extra={"error": str(exc)[:200]})
                 if self._closing:
                     self._drop("redis_unavailable", len(self._queue))
                     self._queue.clear()
