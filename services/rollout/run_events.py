@@ -103,7 +103,8 @@ class RolloutEvents:
                 engines.append({
                     "engine": member.url, "dp_rank": dp_rank, "state": member.state,
                     "running": max(total - waiting, 0), "waiting": waiting,
-                    "in_flight": target.get("in_flight"),
+                    # GetStatus details travel as a protobuf Struct: numbers come back floats.
+                    "in_flight": int(target["in_flight"]) if "in_flight" in target else None,
                     "prompt_tokens": int(target.get("prompt_tokens", 0)),
                     "cached_tokens": int(target.get("cached_tokens", 0)),
                     "healthy": bool(target.get("healthy", member.state == "ready")),
