@@ -9,6 +9,7 @@ Called by the gRPC servicer (service.py); calls the provider, agent.py and verif
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -107,8 +108,10 @@ class EpisodeRunner:
         self.events.publish_episode(episode_detail(trajectory, run, verdict, self._decode_one))
         return trajectory
 
-    def _decode_one(self, ids: list[int]) -> str:
-        return str(self.agent.chat.tokenizer.decode(ids, skip_special_tokens=False))
+    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 - one runner per process, lives as long
+    def _decode_one(self, token: int) -> str:
+        """A token's text; cached, since episodes reuse few ids and decoding one costs ~10 us."""
+        return str(self.agent.chat.tokenizer.decode([token], skip_special_tokens=False))
 
     async def _acquire(self, task: Task, sample_id: str,
                        timings: common_pb2.EpisodeTimings) -> SandboxHandle:

@@ -14,7 +14,8 @@ from services._proto.riptide.v1 import common_pb2
 from services.sandbox.agent import AgentRun
 from services.sandbox.verifier import Verdict
 
-DecodeFn = Callable[[list[int]], str]
+#: The text of one token id on its own (special tokens kept).
+DecodeFn = Callable[[int], str]
 
 
 def episode_detail(trajectory: common_pb2.Trajectory, run: AgentRun | None, verdict: Verdict,
@@ -38,7 +39,7 @@ def episode_detail(trajectory: common_pb2.Trajectory, run: AgentRun | None, verd
             "tokens": {"ids": ids,
                        "loss_mask": [0] * len(prompt) + (trace.loss_mask if trace else []),
                        "logprobs": [0.0] * len(prompt) + (trace.logprobs if trace else [])},
-            "token_text": [decode_one([token]) for token in ids],
+            "token_text": [decode_one(token) for token in ids],
         }
 
     return build

@@ -20,8 +20,7 @@ def test_the_record_has_every_field_and_one_text_per_token() -> None:
     trace = TokenTrace(prompt, response, [1] * len(response), [-0.5] * len(response))
     run = AgentRun(trace, turns=[{"assistant": "ls", "commands": ["ls"], "observation": "a b"}])
     verdict = Verdict(common_pb2.VERDICT_STATUS_SCORED, 1.0, exit_code=0)
-    record = episode_detail(trajectory, run, verdict,
-                            lambda ids: tokenizer.decode(ids))()
+    record = episode_detail(trajectory, run, verdict, lambda token: tokenizer.decode([token]))()
     assert tuple(record) == EPISODE_FIELDS
     assert record["verdict"] == "scored" and record["reward"] == 1.0
     ids = record["tokens"]["ids"]
