@@ -26,6 +26,7 @@ from services._proto.riptide.v1 import rollout_pb2 as pb
 from services.common.errors import Conflict, InvalidRequest, RiptideError, Unavailable
 from services.rollout.config import WeightUpdateConfig
 from services.rollout.fleet import EngineFleet, EngineMember
+from services.rollout.run_events import RolloutEvents
 from services.rollout.scheduler_stats import Histogram
 from services.rollout.weight_update_requests import check_begin, check_bucket
 
@@ -43,8 +44,10 @@ class WeightUpdateCoordinator:
     """Runs one weight update at a time over the fleet's engines."""
 
     def __init__(self, fleet: EngineFleet, config: WeightUpdateConfig,
-                 on_committed: Callable[[int], None]) -> None:
+                 on_committed: Callable[[int], None],
+                 events: RolloutEvents | None = None) -> None:
         self.fleet = fleet
+        self.events = events or RolloutEvents()
         self.config = config
         self._on_committed = on_committed
         self._busy = asyncio.Lock()
@@ -87,7 +90,8 @@ class WeightUpdateCoordinator:
                 self._group_key = None  # the collective may be broken: form it again
                 if self.engines_paused and record["buckets"] == 0:
                     # No weight moved: the engines hold the old weights intact; let them go on.
-                    await asyncio.shield(self._resume_all(self._members))
+                    await asyncio.shield(self._resume_all(self._members, begin.weight_version,
+                                                          "no_buckets"))
                 elif self.engines_paused:  # shielded: a cancelled stream still releases them
                     await asyncio.shield(self._release(version=begin.weight_version))
                 raise
@@ -110,9 +114,10 @@ class WeightUpdateCoordinator:
             await self._all(version, members, "pause_generation",
                             lambda m: client.pause(m.url, self.config.pause_mode))
         except WeightUpdateFailed:  # no weight has moved: let the others generate again
-            await self._resume_all(members)
+            await self._resume_all(members, version, "pause_failed")
             raise
         self.engines_paused = True
+        self.events.engines_paused(m.url for m in members)
         world_size = 1 + sum(m.ranks for m in members)
         key = (begin.group_name, begin.master_address, begin.master_port, begin.backend,
                tuple((m.url, m.ranks) for m in members))
@@ -142,15 +147,17 @@ class WeightUpdateCoordinator:
             f"weight update v{version}: the trainer ended the stream before Commit after "
             f"{record['buckets']} buckets")
 
-    async def _resume_all(self, members: list[EngineMember]) -> None:
+    async def _resume_all(self, members: list[EngineMember], version: int,
+                          outcome: str) -> None:
         """Let paused engines generate again; an engine that refuses is logged (the fleet's
-        health checks deal with it), never left holding the update."""
+        health checks deal with it), never left holding the update. Closes the pause spans."""
         results = await asyncio.gather(*(self.fleet.client.resume(m.url) for m in members),
                                        return_exceptions=True)
         for member, result in zip(members, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("continue_generation on %s: %s", member.url, result)
         self.engines_paused = False
+        self.events.engines_resumed("weight_update", version, outcome)
 
     async def _release(self, version: int) -> None:
         """After a failure once weights may have moved: take the engines out of the router,
@@ -165,7 +172,7 @@ class WeightUpdateCoordinator:
                     await self.fleet.router.deregister(member.url)
                 except Unavailable as exc:
                     log.warning("deregistering %s after an abandoned update: %s", member.url, exc)
-        await self._resume_all(members)
+        await self._resume_all(members, version, "abandoned")
         log.warning("weight update v%d abandoned: %d engines continue unrouted until the next "
                     "update", version, len(members))
 
@@ -214,6 +221,7 @@ class WeightUpdateCoordinator:
         self._on_committed(version)
         await self._all(version, members, "continue_generation", lambda m: client.resume(m.url))
         self.engines_paused = False
+        self.events.engines_resumed("weight_update", version, "committed")
 
     @staticmethod
     async def _all(version: int, members: list[EngineMember], step: str,
