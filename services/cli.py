@@ -1,4 +1,5 @@
-"""The `riptide` command: serve one service, run the local stack, show a stack's state.
+"""The `riptide` command: serve one service, run the local stack, show a stack's state or
+its dashboard.
 
 Config is parsed and validated before any heavy module is imported, so `--help` and config
 errors are instant and the router never imports torch.
@@ -65,6 +66,17 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--concurrency", type=int, default=4, help="episodes at once")
     ev.add_argument("--dir", type=Path, default=DEFAULT_RUN_DIR / "eval",
                     help="work directory: exported weights, engine log")
+
+    dash = sub.add_parser("dashboard", help="serve the run dashboard of a saved or running run "
+                                            "on a free port; prints its URL")
+    source = dash.add_mutually_exclusive_group(required=True)
+    source.add_argument("--events", type=Path, default=None,
+                        help="a JSONL export of the run's events streams")
+    source.add_argument("--redis", default=None, metavar="URL",
+                        help="read the run's events streams from this Redis")
+    dash.add_argument("--run", default="local", help="run name (with --redis; default local)")
+    dash.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    dash.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
 
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
@@ -141,6 +153,22 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if all(s.get("state") not in ("unreachable", "error") for s in report.values()) else 1
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    from services.rollout.dashboard.config import DashboardConfig
+    from services.rollout.dashboard.source import EventSource, FileSource, RedisSource
+    from services.rollout.dashboard.standalone import serve_dashboard
+
+    config = DashboardConfig()
+    source: EventSource
+    if args.events is not None:
+        source = FileSource(args.events, config.max_events)  # a bad file fails here, at once
+    else:
+        source = RedisSource(args.redis, args.run, config.max_events)
+    asyncio.run(serve_dashboard(source, config, args.host, args.port,
+                                say=lambda line: print(line, flush=True)))
+    return 0
+
+
 def _model(args: argparse.Namespace) -> int:
     if args.model_command == "fetch":
         from services.common.model_fetch import fetch_model
@@ -211,7 +239,7 @@ def _eval_model(args: argparse.Namespace) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"serve": _serve, "up": _up, "status": _status, "model": _model,
-                "eval": _eval}
+                "eval": _eval, "dashboard": _dashboard}
     try:
         return handlers[args.command](args)
     except RiptideError as exc:

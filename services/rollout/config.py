@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig, StrictModel
+from services.rollout.dashboard.config import DashboardConfig
 
 Granularity = Literal["sample", "group"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -148,3 +149,5 @@ class RolloutConfig(ServiceConfig):
         default_factory=WeightUpdateConfig, description="weight-update coordination")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation "
                                                                      "during training")
+    dashboard: DashboardConfig = Field(
+        default_factory=DashboardConfig, description="the run dashboard at /dashboard")
