@@ -43,6 +43,20 @@ class ServiceConfig(StrictModel):
         return f"http://{self.host}:{self.admin_port}"
 
 
+class EventsConfig(StrictModel):
+    """The run's events streams (phase spans and per-sample detail, for the dashboard)."""
+
+    enabled: bool = Field(True, description="publish events; off costs nothing at all")
+    max_len: int = Field(200_000, ge=100, le=100_000_000,
+                         description="approximate cap of riptide:<run>:events (XADD MAXLEN ~)")
+    episodes_max_len: int = Field(
+        2000, ge=10, le=1_000_000,
+        description="approximate cap of riptide:<run>:episodes (per-sample detail)")
+    queue_size: int = Field(
+        10_000, ge=1, le=10_000_000,
+        description="events a process holds while Redis is slow; beyond it they are dropped")
+
+
 class RunConfig(StrictModel):
     """Deployment-wide settings."""
 
@@ -55,6 +69,8 @@ class RunConfig(StrictModel):
         1024, ge=1, le=1 << 20, description="largest admin REST request body (413 above)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")
     log_format: Literal["json", "text"] = Field("json", description="structured or human logs")
+    events: EventsConfig = Field(default_factory=lambda: EventsConfig(),
+                                 description="the dashboard's events streams")
 
 
 class RedisConfig(StrictModel):

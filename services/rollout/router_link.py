@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -17,6 +17,9 @@ class RouterView:
 
     engine_urls: frozenset[str]
     weight_version: int | None
+    #: Each target (engine, dp rank) as the router's GetStatus shows it: health, circuit,
+    #: in-flight calls, prompt and cached tokens of the calls it routed there.
+    targets: tuple[dict[str, Any], ...] = ()
 
 
 class RouterLink(Protocol):
@@ -61,7 +64,8 @@ class GrpcRouterLink:
         urls = frozenset(str(t.get("engine_url", "")).rstrip("/")
                          for t in details.get("targets") or [] if not t.get("leaving"))
         version = details.get("weight_version")
-        return RouterView(urls, int(version) if version is not None else None)
+        return RouterView(urls, int(version) if version is not None else None,
+                          tuple(details.get("targets") or ()))
 
     async def register(self, url: str) -> None:
         await self._call(f"RegisterEngine({url})", self._stub.RegisterEngine,

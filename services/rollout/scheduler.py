@@ -28,6 +28,7 @@ from services.rollout.episodes import (
     no_verdict_trajectory,
 )
 from services.rollout.evaluation import EvalQueue
+from services.rollout.run_events import RolloutEvents
 from services.rollout.scheduler_stats import SchedulerStats
 from services.rollout.staleness import StalenessGate
 
@@ -58,8 +59,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, tasks: TaskCycle, runner: EpisodeRunner,
                  sink: GroupSink, *, weight_version: int = 0, id_prefix: str = "",
                  backlog_samples: int = 0, can_generate: Callable[[], bool] | None = None,
-                 evaluation: EvalQueue | None = None) -> None:
+                 evaluation: EvalQueue | None = None,
+                 events: RolloutEvents | None = None) -> None:
         self.config = config
+        self.events = events or RolloutEvents()
         self._tasks = tasks
         self._runner = runner
         self._sink = sink
@@ -212,6 +215,7 @@ class Scheduler:
 
     async def _run_episode(self, group: _OpenGroup,
                            request: sandbox_pb2.RunEpisodeRequest) -> None:
+        started = time.time()
         try:
             try:
                 trajectory = await self._runner.run(request)
@@ -226,18 +230,21 @@ class Scheduler:
             self.in_flight -= 1
             self.stats.record_in_flight(self._now(), self.in_flight)
             self._wake.set()
+        self.events.episode(request, trajectory, started, self._gate.version)
         self._on_sample_done(group, request, trajectory)
 
     def _start_eval(self, version: int, request: sandbox_pb2.RunEpisodeRequest) -> None:
         """An evaluation episode in the next free slot; its result goes to the EvalQueue."""
         self.in_flight += 1
         self.stats.record_in_flight(self._now(), self.in_flight)
+        self.events.eval_started(version)
         task = asyncio.create_task(self._run_eval(version, request))
         self._episodes.add(task)
         task.add_done_callback(self._episodes.discard)
 
     async def _run_eval(self, version: int, request: sandbox_pb2.RunEpisodeRequest) -> None:
         assert self.evaluation is not None
+        started = time.time()
         try:
             trajectory = await self._runner.run(request)
         except asyncio.CancelledError:
@@ -249,7 +256,9 @@ class Scheduler:
             self.in_flight -= 1
             self.stats.record_in_flight(self._now(), self.in_flight)
             self._wake.set()
+        self.events.episode(request, trajectory, started, version, evaluation=True)
         self.evaluation.record(version, request, trajectory)
+        self.events.eval_done(version, self.evaluation.summary())
 
     async def _back_off_after(self, trajectory: common_pb2.Trajectory) -> None:
         if trajectory.status == common_pb2.VERDICT_STATUS_SCORED:
@@ -294,6 +303,7 @@ class Scheduler:
             task.cancel()
         self.stats.cancelled_samples += len(group.running)
         self.stats.dropped_groups["stale"] += 1
+        self.events.group_dropped(group.group_id, "stale", self._gate.version, group.next_index)
         self.stats.dropped_samples += group.next_index
         self._gate.on_drop(group.next_index)
         self._wake.set()
@@ -305,6 +315,7 @@ class Scheduler:
         reason = self._drop_reason(samples, min_version)
         if reason is not None:
             self.stats.dropped_groups[reason] += 1
+            self.events.group_dropped(group.group_id, reason, self._gate.version, group.size)
             self.stats.dropped_samples += group.size
             self._gate.on_drop(group.size)
             self._wake.set()
@@ -353,6 +364,8 @@ class Scheduler:
                           group.group_id)
                 self.stats.sink_rejected += 1
                 self.stats.dropped_groups["rejected_duplicate_id"] += 1
+                self.events.group_dropped(group.group_id, "rejected_duplicate_id",
+                                          self._gate.version, len(group.samples))
                 self.stats.dropped_samples += len(group.samples)
                 self._gate.on_drop(len(group.samples))
             else:  # False after a failed try: that try's write landed

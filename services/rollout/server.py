@@ -37,5 +37,5 @@ def build_runtime(deployment_config: Any) -> RolloutRuntime:
         cfg, deployment_config.redis, deployment_config.run.name,
         sandbox_address=cfg.sandbox_address or deployment_config.sandbox.grpc_address,
         router_address=cfg.router_address or deployment_config.router.grpc_address,
-        grpc_token=deployment_config.run.grpc_token,
+        grpc_token=deployment_config.run.grpc_token, events=deployment_config.run.events,
     )

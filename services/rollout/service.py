@@ -20,9 +20,10 @@ from typing import Any
 import grpc
 from fastapi import APIRouter
 
-from services.common.config import RedisConfig
+from services.common.config import EventsConfig, RedisConfig
 from services.common.engine_client import EngineClient
 from services.common.errors import Unavailable
+from services.common.events import EventPublisher
 from services.common.grpc_client import aio_channel
 from services.common.service import ServiceRuntime
 from services.rollout import metrics
@@ -31,6 +32,7 @@ from services.rollout.episodes import GroupSink, TaskCycle
 from services.rollout.evaluation import EvalQueue
 from services.rollout.fleet import EngineFleet
 from services.rollout.router_link import GrpcRouterLink, NoRouter
+from services.rollout.run_events import RolloutEvents
 from services.rollout.sandbox_runner import SandboxEpisodeRunner
 from services.rollout.scheduler import Scheduler
 from services.rollout.weight_update import WeightUpdateCoordinator
@@ -55,7 +57,8 @@ class RolloutRuntime(ServiceRuntime):
     tunable_fields = TUNABLE_FIELDS
 
     def __init__(self, config: RolloutConfig, redis: RedisConfig, run_name: str,
-                 sandbox_address: str, router_address: str, grpc_token: str | None) -> None:
+                 sandbox_address: str, router_address: str, grpc_token: str | None,
+                 events: EventsConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self.tunable = config.scheduler
@@ -65,8 +68,10 @@ class RolloutRuntime(ServiceRuntime):
         self._router_channel: grpc.aio.Channel | None = None  # made on the serving loop
         self.fleet = EngineFleet(config.fleet, self.engines, NoRouter(),
                                  config.weight_update.initial_weight_version)
+        self.events = RolloutEvents(EventPublisher(redis.url, run_name, "rollout",
+                                                   events or EventsConfig()))
         self.coordinator = WeightUpdateCoordinator(self.fleet, config.weight_update,
-                                                   self._on_committed)
+                                                   self._on_committed, self.events)
         self.scheduler: Scheduler | None = None
         self.buffer: Any = None
         self.buffer_depth: int | None = None
@@ -96,6 +101,8 @@ class RolloutRuntime(ServiceRuntime):
         metrics.install(self.metrics_snapshot)
         self._background = [asyncio.create_task(self._start_scheduler(self.buffer)),
                             asyncio.create_task(self._watch_buffer())]
+        if self.events.publisher.enabled:
+            self._background.append(asyncio.create_task(self._publish_load()))
         self._background[0].add_done_callback(_log_failure)
 
     async def _connect_buffer(self, cls: Any) -> Any:
@@ -132,7 +139,8 @@ class RolloutRuntime(ServiceRuntime):
                               can_generate=self.fleet.can_generate,
                               evaluation=EvalQueue(self.config.eval,
                                                    self.config.scheduler.max_new_tokens,
-                                                   self.config.scheduler.top_p))
+                                                   self.config.scheduler.top_p),
+                              events=self.events)
         if self.paused:
             scheduler.pause()
         await scheduler.start()
@@ -158,6 +166,18 @@ class RolloutRuntime(ServiceRuntime):
                 self.scheduler.config_changed()  # re-checks whether an engine can generate
             await asyncio.sleep(1.0)
 
+    async def _publish_load(self, interval_s: float = 1.0) -> None:
+        """A `rollout.load` event about every second: the scheduler, the fleet, the router."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                view = await self.fleet.router.view()
+            except Unavailable:
+                view = None
+            in_flight = self.scheduler.in_flight if self.scheduler is not None else 0
+            self.events.load(in_flight, self.config.scheduler.max_concurrent_samples,
+                             self.fleet.members, view.targets if view is not None else ())
+
     async def stop(self) -> None:
         for task in self._background:
             task.cancel()
@@ -173,6 +193,7 @@ class RolloutRuntime(ServiceRuntime):
         for channel in (self._sandbox_channel, self._router_channel):
             if channel is not None:
                 await channel.close()
+        await asyncio.to_thread(self.events.publisher.close)
 
     def ready(self) -> bool:
         return self.scheduler is not None

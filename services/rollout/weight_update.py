@@ -26,6 +26,7 @@ from services._proto.riptide.v1 import rollout_pb2 as pb
 from services.common.errors import Conflict, InvalidRequest, RiptideError, Unavailable
 from services.rollout.config import WeightUpdateConfig
 from services.rollout.fleet import EngineFleet, EngineMember
+from services.rollout.run_events import RolloutEvents
 from services.rollout.scheduler_stats import Histogram
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ class WeightUpdateCoordinator:
     """Runs one weight update at a time over the fleet's engines."""
 
     def __init__(self, fleet: EngineFleet, config: WeightUpdateConfig,
-                 on_committed: Callable[[int], None]) -> None:
+                 on_committed: Callable[[int], None],
+                 events: RolloutEvents | None = None) -> None:
         self.fleet = fleet
+        self.events = events or RolloutEvents()
         self.config = config
         self._on_committed = on_committed
         self._busy = asyncio.Lock()
@@ -109,6 +112,7 @@ class WeightUpdateCoordinator:
                                  return_exceptions=True)
             raise
         self.engines_paused = True
+        self.events.engines_paused(m.url for m in members)
         world_size = 1 + sum(m.ranks for m in members)
         key = (begin.group_name, begin.master_address, begin.master_port, begin.backend,
                tuple((m.url, m.ranks) for m in members))
@@ -137,6 +141,7 @@ class WeightUpdateCoordinator:
             await self._all(version, members, "continue_generation",
                             lambda m: client.resume(m.url))
             self.engines_paused = False
+            self.events.engines_resumed("weight_update", version, "no_buckets")
         raise WeightUpdateFailed(
             f"weight update v{version}: the trainer ended the stream before Commit after "
             f"{record['buckets']} buckets")
@@ -161,6 +166,7 @@ class WeightUpdateCoordinator:
                 log.warning("continue_generation on %s after abandoned v%d: %s", member.url,
                             version, result)
         self.engines_paused = False
+        self.events.engines_resumed("weight_update", version, "abandoned")
         log.warning("weight update v%d abandoned: %d engines continue unrouted until the next "
                     "update", version, len(members))
 
@@ -209,6 +215,7 @@ class WeightUpdateCoordinator:
         self._on_committed(version)
         await self._all(version, members, "continue_generation", lambda m: client.resume(m.url))
         self.engines_paused = False
+        self.events.engines_resumed("weight_update", version, "committed")
 
     @staticmethod
     async def _all(version: int, members: list[EngineMember], step: str,

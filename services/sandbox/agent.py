@@ -15,9 +15,11 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from services._proto.riptide.v1 import common_pb2
 from services.common.errors import Unavailable
+from services.common.events import OBSERVATION_MAX_CHARS
 from services.sandbox.chat_format import ChatFormat
 from services.sandbox.config import AgentConfig
 from services.sandbox.model_client import GenerateResult, ModelClient
@@ -73,6 +75,20 @@ class AgentRun:
     finish_reason: str = ""
     generate_s: float = 0.0
     exec_s: float = 0.0
+    #: Per model turn: {"assistant": text, "commands": [...], "observation": text}, for the
+    #: per-sample view of the events stream (observations cut to OBSERVATION_MAX_CHARS).
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    engine_url: str = ""
+    dp_rank: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add_turn(self, result: GenerateResult, text: str, commands: list[Command]) -> None:
+        self.engine_url, self.dp_rank = result.engine_url, result.dp_rank
+        self.prompt_tokens += result.prompt_tokens
+        self.cached_tokens += result.cached_tokens
+        self.turns.append({"assistant": text, "commands": [c.text for c in commands],
+                           "observation": ""})
 
 
 class TerminalAgent:
@@ -113,7 +129,9 @@ class TerminalAgent:
             run.trace.add_model(result)
             if result.finish_reason == "abort":
                 raise GenerationAborted(f"the engine aborted turn {turn} of {session_key}")
-            reply = protocol.parse(self.chat.decode(result.output_ids))
+            text = self.chat.decode(result.output_ids)
+            reply = protocol.parse(text)
+            run.add_turn(result, text, reply.commands)
             progress("turn", turn, f"{len(result.output_ids)} tokens, "
                                    f"{len(reply.commands)} commands")
             results, out_of_time = await self._run_commands(run, shell, reply.commands, turn,
@@ -127,6 +145,7 @@ class TerminalAgent:
             observation = protocol.observation(
                 reply, [format_command_result(c, r) for c, r in zip(reply.commands, results,
                                                                      strict=False)])
+            run.turns[-1]["observation"] = observation[:OBSERVATION_MAX_CHARS]
             ids = self.chat.user_turn_ids(result.output_ids, observation)
             if run.trace.num_tokens + len(ids) >= limits.max_context_tokens:
                 run.finish_reason = "context_length"

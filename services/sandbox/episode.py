@@ -15,7 +15,9 @@ from collections.abc import Callable
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
 from services.common.errors import RiptideError
+from services.common.events import EventPublisher
 from services.sandbox.agent import AgentRun, TerminalAgent
+from services.sandbox.episode_detail import episode_detail
 from services.sandbox.limiter import Limiter
 from services.sandbox.provider import SandboxHandle, SandboxProvider
 from services.sandbox.stats import SandboxStats
@@ -32,7 +34,9 @@ class EpisodeRunner:
 
     def __init__(self, provider: SandboxProvider, agent: TerminalAgent, stats: SandboxStats,
                  max_concurrent_episodes: int, max_concurrent_creates: int,
-                 run_name: str, delete_timeout_s: float = 60.0) -> None:
+                 run_name: str, delete_timeout_s: float = 60.0,
+                 events: EventPublisher | None = None) -> None:
+        self.events = events or EventPublisher.disabled("sandbox")
         self.provider = provider
         self.agent = agent
         self.stats = stats
@@ -80,7 +84,13 @@ class EpisodeRunner:
                                        request.sampling_params,
                                        task.config.agent.timeout_sec, progress)
             timings.generate_s, timings.exec_s = run.generate_s, run.exec_s
-            verdict = await verify(self.provider, handle, task)
+            with self.events.span("sandbox.verify", id=request.sample_id,
+                                  attrs={"task_id": task.name}) as attrs:
+                verdict = await verify(self.provider, handle, task)
+                attrs.update(passed=verdict.reward >= 1.0
+                             and verdict.status == common_pb2.VERDICT_STATUS_SCORED,
+                             exit_code=verdict.exit_code, reward=verdict.reward,
+                             scored=verdict.status == common_pb2.VERDICT_STATUS_SCORED)
             timings.verify_s = verdict.verify_s
         except RiptideError as exc:
             log.warning("episode %s of %s has no verdict: %s", request.sample_id, task.name, exc)
@@ -93,7 +103,12 @@ class EpisodeRunner:
         else:
             progress("verifier", run.num_turns if run else 0, f"no_verdict: {verdict.message}")
         timings.total_s = time.monotonic() - queued
-        return _trajectory(task, request, run, verdict, timings)
+        trajectory = _trajectory(task, request, run, verdict, timings)
+        self.events.publish_episode(episode_detail(trajectory, run, verdict, self._decode_one))
+        return trajectory
+
+    def _decode_one(self, ids: list[int]) -> str:
+        return str(self.agent.chat.tokenizer.decode(ids, skip_special_tokens=False))
 
     async def _acquire(self, task: Task, sample_id: str,
                        timings: common_pb2.EpisodeTimings) -> SandboxHandle:
@@ -113,11 +128,15 @@ class EpisodeRunner:
     async def _create(self, task: Task, labels: dict[str, str], waited: float) -> SandboxHandle:
         async with self.creates:
             started = time.monotonic()
-            try:
-                handle = await self.provider.create(task, labels=labels)
-            except BaseException:
-                self.stats.create_failed()
-                raise
+            with self.events.span("sandbox.create", id=labels["riptide.episode"],
+                                  attrs={"task_id": task.name}) as attrs:
+                try:
+                    handle = await self.provider.create(task, labels=labels)
+                except BaseException as exc:
+                    self.stats.create_failed()
+                    attrs["error"] = type(exc).__name__
+                    raise
+                attrs["sandbox"] = handle.sandbox_id
         now = time.monotonic()
         self.stats.sandbox_created(handle, now - started, now - waited)
         return handle
@@ -137,13 +156,17 @@ class EpisodeRunner:
 
     async def _delete(self, handle: SandboxHandle) -> None:
         ok = False
-        try:
-            await asyncio.wait_for(self.provider.delete(handle), self.delete_timeout_s)
-            ok = True
-        except Exception:  # noqa: BLE001 - counted and logged; the episode's result stands
-            log.exception("deleting sandbox %s failed", handle.sandbox_id)
-        finally:
-            self.stats.sandbox_deleted(handle, ok)
+        with self.events.span("sandbox.delete", id=handle.sandbox_id,
+                              attrs={"sandbox": handle.sandbox_id,
+                                     "task_id": handle.task_name}) as attrs:
+            try:
+                await asyncio.wait_for(self.provider.delete(handle), self.delete_timeout_s)
+                ok = True
+            except Exception:  # noqa: BLE001 - counted and logged; the episode's result stands
+                log.exception("deleting sandbox %s failed", handle.sandbox_id)
+            finally:
+                self.stats.sandbox_deleted(handle, ok)
+                attrs["ok"] = ok
 
     async def drain_deletes(self, timeout_s: float) -> None:
         """Wait for deletions still in flight (at shutdown)."""
@@ -166,4 +189,6 @@ def _trajectory(task: Task, request: sandbox_pb2.RunEpisodeRequest, run: AgentRu
         trajectory.weight_versions.extend(trace.weight_versions)
         trajectory.num_turns = run.num_turns
         trajectory.finish_reason = run.finish_reason
+        trajectory.engine_url, trajectory.dp_rank = run.engine_url, run.dp_rank
+        trajectory.prompt_tokens, trajectory.cached_tokens = run.prompt_tokens, run.cached_tokens
     return trajectory

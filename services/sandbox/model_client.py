@@ -36,6 +36,11 @@ class GenerateResult:
     # Per output id, where the engine told (spans over an in-place update); else empty and
     # every id has weight_version.
     weight_versions: list[int] = field(default_factory=list)
+    # Where the router sent the turn, and the engine's prompt / prefix-cache-hit counts.
+    engine_url: str = ""
+    dp_rank: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     def token_versions(self) -> list[int]:
         """The weight version of each output id."""
@@ -89,7 +94,8 @@ class RouterModelClient:
         logprobs = list(response.output_logprobs) or [0.0] * len(response.output_ids)
         return GenerateResult(list(response.output_ids), logprobs, response.finish_reason,
                               int(response.weight_version),
-                              list(response.output_weight_versions))
+                              list(response.output_weight_versions), response.engine_url,
+                              response.dp_rank, response.prompt_tokens, response.cached_tokens)
 
     def forget(self, session_key: str) -> None:
         """The episode ended: tell the router in the background (it also expires idle ones)."""

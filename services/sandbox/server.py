@@ -27,6 +27,7 @@ def load_tokenizer(path: str | None) -> Any:
 
 def build_runtime(deployment_config: Any) -> ServiceRuntime:
     """The sandbox ServiceRuntime for this deployment."""
+    from services.common.events import EventPublisher
     from services.sandbox.agent import TerminalAgent
     from services.sandbox.chat_format import ChatFormat
     from services.sandbox.episode import EpisodeRunner
@@ -58,5 +59,7 @@ def build_runtime(deployment_config: Any) -> ServiceRuntime:
     stats = SandboxStats()
     runner = EpisodeRunner(provider, TerminalAgent(model, chat, provider, config.agent), stats,
                            config.max_concurrent_episodes, config.max_concurrent_creates,
-                           deployment_config.run.name, config.delete_timeout_s)
+                           deployment_config.run.name, config.delete_timeout_s,
+                           EventPublisher(deployment_config.redis.url, deployment_config.run.name,
+                                          "sandbox", deployment_config.run.events))
     return SandboxService(config, tasks, provider, model, runner, stats, scripts, script_maker)

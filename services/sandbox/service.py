@@ -73,6 +73,7 @@ class SandboxService(ServiceRuntime):
         await self.runner.drain_deletes(self.config.delete_timeout_s)
         await self.model.close()
         await self.provider.close()
+        await asyncio.to_thread(self.runner.events.close)
 
     def state(self) -> dict[str, Any]:
         return {

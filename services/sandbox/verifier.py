@@ -35,6 +35,7 @@ class Verdict:
     reward: float = 0.0
     message: str = ""
     verify_s: float = 0.0
+    exit_code: int | None = None  # of tests/test.sh, when it ran to its end
 
     @classmethod
     def no_verdict(cls, message: str, verify_s: float = 0.0) -> Verdict:
@@ -81,7 +82,8 @@ async def verify(provider: SandboxProvider, handle: SandboxHandle, task: Task,
         verdict = await _verify(provider, handle, task, timeout_s)
     except SandboxError as exc:
         verdict = Verdict.no_verdict(f"sandbox failure during verification: {exc}")
-    return Verdict(verdict.status, verdict.reward, verdict.message, time.monotonic() - started)
+    return Verdict(verdict.status, verdict.reward, verdict.message, time.monotonic() - started,
+                   verdict.exit_code)
 
 
 async def _verify(provider: SandboxProvider, handle: SandboxHandle, task: Task,
@@ -99,10 +101,11 @@ async def _verify(provider: SandboxProvider, handle: SandboxHandle, task: Task,
         try:
             reward = parse_reward(name, text)
         except ValueError as exc:
-            return Verdict.no_verdict(str(exc))
-        return Verdict(common_pb2.VERDICT_STATUS_SCORED, reward, "")
+            return Verdict(common_pb2.VERDICT_STATUS_NO_VERDICT, 0.0, str(exc),
+                           exit_code=run.exit_code)
+        return Verdict(common_pb2.VERDICT_STATUS_SCORED, reward, "", exit_code=run.exit_code)
     if found.exit_code != 44:
         return Verdict.no_verdict(f"cannot read {REWARD_DIR}: {_tail(found)}")
-    return Verdict.no_verdict(
-        f"tests/test.sh wrote no {REWARD_DIR}/reward.json or reward.txt "
-        f"(exit code {run.exit_code}): {_tail(run)}")
+    return Verdict(common_pb2.VERDICT_STATUS_NO_VERDICT, 0.0,
+                   f"tests/test.sh wrote no {REWARD_DIR}/reward.json or reward.txt "
+                   f"(exit code {run.exit_code}): {_tail(run)}", exit_code=run.exit_code)

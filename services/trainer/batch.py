@@ -58,6 +58,8 @@ class RolloutBatch:
     group_ids: list[str]
     rewards: list[float]
     min_weight_versions: list[int] = field(default_factory=list)
+    #: Per trained sample, its group's oldest weight version (what staleness is judged by).
+    sample_weight_versions: list[int] = field(default_factory=list)
     num_samples: int = 0
     num_tokens: int = 0
     num_dropped_samples: int = 0
@@ -173,11 +175,13 @@ def pack_groups(
     without a verdict are dropped."""
     rows: list[_Row] = []
     rewards: list[float] = []
+    sample_versions: list[int] = []
     dropped = 0
     for _, group in entries:
         group_rows, group_rewards, group_dropped = _rows_of(group, normalize_std)
         rows += group_rows
         rewards += group_rewards
+        sample_versions += [group.min_weight_version] * len(group_rewards)
         dropped += group_dropped
     rows.sort(key=lambda r: len(r.ids), reverse=True)
     groups = _group_rows(rows, max_tokens_per_microbatch, packed)
@@ -188,6 +192,7 @@ def pack_groups(
         group_ids=[g.group_id for _, g in entries],
         rewards=rewards,
         min_weight_versions=[g.min_weight_version for _, g in entries],
+        sample_weight_versions=sample_versions,
         num_samples=len(rows),
         num_tokens=sum(len(r.ids) for r in rows),
         num_dropped_samples=dropped,

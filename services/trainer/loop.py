@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from services.common.events import EventPublisher
 from services.trainer.batch import RolloutBatch
 from services.trainer.checkpoint import Checkpointer, TrainerState
 from services.trainer.config import TrainerConfig
@@ -62,6 +63,7 @@ class TrainerLoop:
         shard: DataShard | None = None,
         device: torch.device | None = None,
         needs_weights: NeedsWeightsFn | None = None,
+        events: EventPublisher | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -74,6 +76,7 @@ class TrainerLoop:
         self.shard = shard
         self.device = device or torch.device("cpu")  # where the policy's parameters live
         self.needs_weights = needs_weights
+        self.events = events or EventPublisher.disabled("trainer")
         self._should_stop: Callable[[], bool] = lambda: False
         self._next_weights_check = 0.0
         self.train_step = train_step_for(config.parallel)
@@ -89,13 +92,18 @@ class TrainerLoop:
             if not self.unpaused.wait(timeout=0.2):
                 continue
             self.stats.set_phase("waiting")
+            waited_at = time.time()
             batch = self.stream.next_batch(should_stop, self._known, self._reject,
                                            self._while_waiting)                 # read (blocks)
             self._take_rejected()
             if batch is None:
                 break
+            self.events.publish("trainer.wait_data", start=waited_at, end=time.time(),
+                                weight_version=self.state.weight_version,
+                                attrs={"groups": len(batch.group_ids)})
             self.stats.set_phase("training")
-            trained_version, start = self.state.weight_version, time.monotonic()
+            trained_version, start, started_at = (self.state.weight_version, time.monotonic(),
+                                                  time.time())
             if self.on_step is not None:
                 self.on_step(batch)
             metrics = self.train_step(                                  # step
@@ -111,6 +119,8 @@ class TrainerLoop:
             if self.sync and self.state.step % self.config.weight_sync.interval_steps == 0:
                 sync_s = self._sync()                                    # sync
             self._record(batch, metrics, trained_version, step_s, checkpoint_s, sync_s)
+            self._publish_step(batch, metrics, trained_version, started_at, step_s,
+                               checkpoint_s + sync_s)
         if self.state.unacked_entry_ids:
             self._checkpoint_and_ack()
         self.stats.set_phase("stopped")
@@ -146,8 +156,11 @@ class TrainerLoop:
     def _checkpoint_and_ack(self) -> float:
         start = time.monotonic()
         self.stats.set_phase("checkpointing")
-        self.checkpointer.save(self.policy, self.state)
-        self.stream.ack(self.state.unacked_entry_ids)
+        step = self.state.step
+        with self.events.span("trainer.checkpoint", id=str(step), attrs={"step": step},
+                              weight_version=self.state.weight_version):
+            self.checkpointer.save(self.policy, self.state)
+            self.stream.ack(self.state.unacked_entry_ids)
         self.state.unacked_entry_ids = []
         return time.monotonic() - start
 
@@ -156,11 +169,20 @@ class TrainerLoop:
         start = time.monotonic()
         self.stats.set_phase("syncing")
         self.state.weight_version += 1
-        self._write_sync_marker(self.state.weight_version)  # once per version, not per try
-        self._push(self.state.weight_version)
+        version = self.state.weight_version
+        self._write_sync_marker(version)  # once per version, not per try
+        with self.events.span("trainer.weight_sync", id=str(version),
+                              weight_version=version) as attrs:
+            report = self._push(version)
+            attrs.update(bytes=getattr(report, "num_bytes", None),
+                         buckets=getattr(report, "num_buckets", None))
+        for index, (begin, end, size) in enumerate(getattr(report, "bucket_spans", ())):
+            self.events.publish("trainer.weight_sync.bucket", id=f"{version}/{index}",
+                                start=begin, end=end, weight_version=version,
+                                attrs={"index": index, "bytes": size})
         return time.monotonic() - start
 
-    def _push(self, version: int) -> None:
+    def _push(self, version: int) -> Any:
         """Push `version` until it lands; back off while it fails; give up only on stop."""
         assert self.sync is not None
         ws = self.config.weight_sync
@@ -168,9 +190,9 @@ class TrainerLoop:
         while True:
             attempt += 1
             try:
-                self.sync(version)
+                report = self.sync(version)
                 self.stats.sync_succeeded(version)
-                return
+                return report
             except Exception as exc:  # any failure: the engines keep the previous weights
                 log.warning("weight sync v%d failed (attempt %d), retrying in %.1fs: %s",
                             version, attempt, delay, exc)
@@ -179,7 +201,7 @@ class TrainerLoop:
             while time.monotonic() < deadline:
                 if self._should_stop():
                     log.warning("stopping with weight sync v%d not delivered", version)
-                    return
+                    return None
                 time.sleep(min(0.2, delay))
             delay = min(delay * 2, ws.retry_max_s)
 
@@ -217,6 +239,9 @@ class TrainerLoop:
             self._known.add(group_id)
             self.state.unacked_entry_ids.append(entry_id)
             self.stats.group_dropped(reason)
+            self.events.publish("trainer.group_dropped", id=group_id,
+                                weight_version=self.state.weight_version,
+                                attrs={"group_id": group_id, "reason": reason})
 
     def _marker_path(self) -> Path:
         return self.checkpointer.directory / _SYNC_MARKER
@@ -262,3 +287,21 @@ class TrainerLoop:
                 metrics=metrics,
             )
         )
+
+    def _publish_step(self, batch: RolloutBatch, metrics: dict[str, float],
+                      trained_version: int, started_at: float, step_s: float,
+                      after_s: float) -> None:
+        """The step's span and figures; idle is this cycle's wait for data over the cycle."""
+        cycle_s = batch.wait_s + step_s + after_s
+        rewards = batch.rewards
+        self.events.publish("trainer.step", id=str(self.state.step), start=started_at,
+                            end=started_at + step_s, weight_version=trained_version, attrs={
+            "step": self.state.step,
+            "reward_mean": sum(rewards) / max(len(rewards), 1),
+            "success_rate": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+            "groups": len(batch.group_ids), "samples": batch.num_samples,
+            "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(step_s, 1e-9),
+            "loss": metrics.get("loss"), "mismatch_kl": metrics.get("mismatch_kl"),
+            "staleness": [max(0, trained_version - v) for v in batch.sample_weight_versions],
+            "idle_fraction": batch.wait_s / cycle_s if cycle_s > 0 else 0.0,
+        })  # fmt: skip

@@ -21,7 +21,8 @@ from typing import Any
 
 import grpc
 
-from services.common.config import RedisConfig
+from services.common.config import EventsConfig, RedisConfig
+from services.common.events import EventPublisher
 from services.common.service import ServiceRuntime, status_message
 from services.trainer.config import TrainerConfig
 from services.trainer.stats import TrainerStats
@@ -35,13 +36,15 @@ class TrainerRuntime(ServiceRuntime):
     name = "trainer"
 
     def __init__(
-        self, config: TrainerConfig, redis: RedisConfig, run_name: str, grpc_token: str | None
+        self, config: TrainerConfig, redis: RedisConfig, run_name: str, grpc_token: str | None,
+        events: EventsConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.redis = redis
         self.run_name = run_name
         self.grpc_token = grpc_token
+        self.events = EventPublisher(redis.url, run_name, "trainer", events or EventsConfig())
         self.stats = TrainerStats()
         self.loop: Any = None
         self.error: str | None = None
@@ -95,6 +98,7 @@ class TrainerRuntime(ServiceRuntime):
                 from services.trainer.ranks import join_workers
 
                 join_workers(self._workers)
+            self.events.close()
 
     def _build_loop(self) -> Any:
         from services.common.buffer import SampleBuffer
@@ -158,7 +162,7 @@ class TrainerRuntime(ServiceRuntime):
         loop = TrainerLoop(
             c, policy, stream, checkpointer, sync, built.reference, stats=self.stats,
             on_step=on_step, shard=built.shard, device=built.device,
-            needs_weights=needs_weights,
+            needs_weights=needs_weights, events=self.events,
         )  # fmt: skip
         return loop
 

@@ -45,6 +45,8 @@ class WeightSyncReport:
     num_tensors: int
     num_bytes: int
     duration_s: float
+    #: (unix start, unix end, bytes) of each bucket's broadcast, for the events stream.
+    bucket_spans: tuple[tuple[float, float, int], ...] = ()
 
 
 class WeightSync(Protocol):
@@ -83,6 +85,13 @@ class _SyncBase:
         self.config = config
         self.dtype = getattr(torch, config.dtype)
         self.end = TrainerEnd(config, backend)
+        self._bucket_spans: list[tuple[float, float, int]] = []
+
+    def _bucket_sent(self, began: float, bucket: Bucket) -> tuple[int, int]:
+        """Count a broadcast bucket and note its span; its tensors and bytes."""
+        n, size = _count(bucket)
+        self._bucket_spans.append((began, time.time(), size))
+        return n, size
 
     def sync(self, model: Any, shape: ModelShape, weight_version: int) -> WeightSyncReport:
         start = time.monotonic()
@@ -91,12 +100,14 @@ class _SyncBase:
             for _ in buckets:  # gathers only
                 pass
             return WeightSyncReport(weight_version, 0, 0, 0, time.monotonic() - start)
+        self._bucket_spans = []
         try:
             counts = self._send(_with_last(buckets), weight_version)
         finally:
             for _ in buckets:  # finish the gathers the other ranks are in, even on failure
                 pass
-        report = WeightSyncReport(weight_version, *counts, time.monotonic() - start)
+        report = WeightSyncReport(weight_version, *counts, time.monotonic() - start,
+                                  tuple(self._bucket_spans))
         log.info("weight sync v%d: %d buckets, %d tensors, %.1f MB in %.2fs", weight_version,
                  report.num_buckets, report.num_tensors, report.num_bytes / 2**20,
                  report.duration_s)
@@ -170,11 +181,12 @@ class DirectEngineWeightSync(_SyncBase):
             body = dict(names=names, dtypes=dtypes, shapes=shapes,
                         group_name=self.end.group_name, flush_cache=last,
                         weight_version=str(version) if last else None)
+            began = time.time()
             futures = self._post_all("/update_weights_from_distributed", [body] * len(self.urls))
             self.end.broadcast(bucket, Watch(calls=futures))
             for future in futures:
                 future.result()
-            n, size = _count(bucket)
+            n, size = self._bucket_sent(began, bucket)
             num_buckets, num_tensors, num_bytes = num_buckets + 1, num_tensors + n, num_bytes + size
         return num_buckets, num_tensors, num_bytes
 
@@ -257,13 +269,14 @@ class RolloutWeightSync(_SyncBase):
             names, dtypes, shapes = bucket_specs(bucket)
             specs = [pb.TensorSpec(name=n, dtype=d, shape=s)
                      for n, d, s in zip(names, dtypes, shapes, strict=True)]
+            began = time.time()
             requests.put(pb.WeightUpdateRequest(
                 bucket=pb.WeightBucket(bucket_index=index, tensors=specs)))
             self.end.broadcast(bucket, watch)
             loaded = expect("bucket_loaded")
             if loaded != index:
                 raise Conflict(f"rollout loaded bucket {loaded}, expected {index}")
-            n, size = _count(bucket)
+            n, size = self._bucket_sent(began, bucket)
             num_buckets, num_tensors, num_bytes = (num_buckets + 1, num_tensors + n,
                                                    num_bytes + size)
         requests.put(pb.WeightUpdateRequest(commit=pb.WeightUpdateCommit()))

@@ -54,7 +54,7 @@ class EpisodeTimings(_message.Message):
     def __init__(self, sandbox_create_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., exec_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., total_s: _Optional[float] = ..., queued_s: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("sample_id", "group_id", "task_id", "sample_index", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "status", "status_message", "num_turns", "finish_reason", "timings")
+    __slots__ = ("sample_id", "group_id", "task_id", "sample_index", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "status", "status_message", "num_turns", "finish_reason", "timings", "engine_url", "dp_rank", "prompt_tokens", "cached_tokens")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,10 @@ class Trajectory(_message.Message):
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     group_id: str
     task_id: str
@@ -85,7 +89,11 @@ class Trajectory(_message.Message):
     num_turns: int
     finish_reason: str
     timings: EpisodeTimings
-    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., status_message: _Optional[str] = ..., num_turns: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[EpisodeTimings, _Mapping]] = ...) -> None: ...
+    engine_url: str
+    dp_rank: int
+    prompt_tokens: int
+    cached_tokens: int
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., status_message: _Optional[str] = ..., num_turns: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[EpisodeTimings, _Mapping]] = ..., engine_url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("group_id", "task_id", "samples", "created_unix_ms", "min_weight_version")

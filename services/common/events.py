@@ -1,0 +1,311 @@
+"""The run's events: phase spans every service publishes for the dashboard, and how to read them.
+
+Two capped Redis streams per run (`XADD ... MAXLEN ~ cap`):
+- `riptide:<run>:events`: one field `event`, a JSON `Event` (kinds and their attrs below);
+- `riptide:<run>:episodes`: one field `episode`, the JSON detail of one finished episode for
+  the per-sample view (`EPISODE_FIELDS`), written by the sandbox service, which holds the
+  tokenizer and the turns' text.
+
+`EventPublisher` is what services call: `publish()` only appends to a bounded in-memory queue
+and one background thread writes batches with pipelined XADDs, so the hot path never waits
+on Redis. When the queue is full or Redis is down the event is dropped and counted in
+`riptide_events_dropped_total`; samples never travel this way, so nothing else is lost.
+A finished run is saved with `export_events` (JSONL) and reopened with `load_events`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import redis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.common.config import EventsConfig
+from services.common.errors import InvalidRequest
+from services.common.metrics import counter
+
+log = logging.getLogger(__name__)
+
+Service = Literal["trainer", "rollout", "sandbox", "router"]
+
+#: Every kind, and the attrs its events carry (an instant has end == start).
+KINDS: dict[str, str] = {
+    "trainer.step": "span of one optimizer step: step, reward_mean, success_rate, groups, "
+                    "samples, tokens, tokens_per_s, loss, mismatch_kl, staleness (list: the "
+                    "staleness of each consumed sample), idle_fraction (share of the time since "
+                    "the previous step spent waiting for data)",
+    "trainer.wait_data": "span the trainer waited for groups: groups (how many it got)",
+    "trainer.checkpoint": "span of a checkpoint save: step",
+    "trainer.group_dropped": "instant: a group read but not trained: group_id, reason (stale)",
+    "trainer.weight_sync": "span of a whole weight broadcast: bytes, buckets",
+    "trainer.weight_sync.bucket": "span of one bucket's broadcast: index, bytes",
+    "rollout.engine_pause": "span an engine was paused (pause..resume): engine, reason",
+    "rollout.episode": "span of one episode (submit..trajectory): sample_id, group_id, task_id, "
+                       "engine, dp_rank, turns, prompt_tokens, response_tokens, cached_tokens, "
+                       "reward, verdict, weight_versions (distinct, sorted), truncated, "
+                       "aborted, eval (bool)",
+    "rollout.group_dropped": "instant: group_id, reason (stale, no_verdict, ...)",
+    "rollout.eval": "span of one evaluation: weight_version, mean_success, per_task",
+    "rollout.load": "instant, about every second: in_flight, cap, engines (list of {engine, "
+                    "dp_rank, running, waiting, cached_tokens, prompt_tokens (both cumulative, "
+                    "summed from the engine's per-request meta_info), healthy, weight_version, "
+                    "circuit})",
+    "sandbox.create": "span of a sandbox creation: task_id, sandbox",
+    "sandbox.delete": "span of a sandbox deletion: task_id, sandbox",
+    "sandbox.verify": "span of the verifier run: task_id, passed, exit_code, reward",
+}
+
+#: Fields of an `riptide:<run>:episodes` entry. `tokens` covers prompt then response; the
+#: loss mask is 0 on the prompt. `token_text` is each token decoded on its own by the
+#: sandbox's tokenizer (so the dashboard needs no engine). Observations are cut to 4000 chars.
+EPISODE_FIELDS = ("sample_id", "group_id", "task_id", "reward", "verdict", "finish_reason",
+                  "engine", "dp_rank", "turns", "tokens", "token_text", "num_prompt_tokens")
+OBSERVATION_MAX_CHARS = 4000
+
+_dropped = counter("riptide_events_dropped_total",
+                   "events dropped because the queue was full or Redis was unreachable",
+                   ["reason"])
+_published = counter("riptide_events_published_total", "events written to Redis")
+
+
+class Event(BaseModel):
+    """One entry of `riptide:<run>:events`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = Field(description="one of KINDS (others are kept, for forward compatibility)")
+    service: Service
+    start: float = Field(description="unix seconds")
+    end: float = Field(description="unix seconds; == start for an instant")
+    id: str = Field("", description="the sample, group, step or bucket id")
+    weight_version: int | None = None
+    attrs: dict[str, Any] = Field(default_factory=dict)
+
+
+def events_key(run: str) -> str:
+    return f"riptide:{run}:events"
+
+
+def episodes_key(run: str) -> str:
+    return f"riptide:{run}:episodes"
+
+
+_Item = tuple[str, str, Any]  # (stream key, field, dict or a callable building it)
+
+
+class EventPublisher:
+    """Publishes one service's events; `publish()` never blocks and never raises."""
+
+    def __init__(self, redis_url: str, run: str, service: Service, config: EventsConfig,
+                 connect_timeout_s: float = 1.0, retry_after_s: float = 1.0) -> None:
+        self.service = service
+        self.config = config
+        self.enabled = config.enabled
+        self._events_key, self._episodes_key = events_key(run), episodes_key(run)
+        self._url = redis_url
+        self._connect_timeout_s = connect_timeout_s
+        self._retry_after_s = retry_after_s
+        self._queue: deque[_Item] = deque()
+        self._wake = threading.Event()
+        self._closing = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+
+    @classmethod
+    def disabled(cls, service: Service) -> EventPublisher:
+        """A publisher that drops nothing and writes nothing (events off, or in tests)."""
+        return cls("redis://127.0.0.1:0/0", "", service, EventsConfig(enabled=False))
+
+    def publish(self, kind: str, *, id: str = "", start: float | None = None,
+                end: float | None = None, weight_version: int | None = None,
+                attrs: dict[str, Any] | None = None) -> None:
+        """Queue one event; `start` defaults to now, `end` to `start` (an instant)."""
+        if not self.enabled:
+            return
+        start = time.time() if start is None else start
+        event = {"kind": kind, "service": self.service, "start": start,
+                 "end": start if end is None else end, "id": id,
+                 "weight_version": weight_version, "attrs": attrs or {}}
+        self._put((self._events_key, "event", event))
+
+    @contextmanager
+    def span(self, kind: str, *, id: str = "", weight_version: int | None = None,
+             attrs: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+        """Publish a span around the block; the block may add attrs to the yielded dict."""
+        extra: dict[str, Any] = dict(attrs or {})
+        start = time.time()
+        try:
+            yield extra
+        finally:
+            self.publish(kind, id=id, start=start, end=time.time(),
+                         weight_version=weight_version, attrs=extra)
+
+    def publish_episode(self, build: Callable[[], dict[str, Any]]) -> None:
+        """Queue one episode's detail; `build` runs on the writer thread, off the hot path."""
+        if self.enabled:
+            self._put((self._episodes_key, "episode", build))
+
+    def _put(self, item: _Item) -> None:
+        if len(self._queue) >= self.config.queue_size:
+            self._drop("queue_full")
+            return
+        self._queue.append(item)
+        if self._thread is None:
+            self._start()
+
+    def _drop(self, reason: str, count: int = 1) -> None:
+        self.dropped += count
+        _dropped.labels(reason).inc(count)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._closing:
+                self._thread = threading.Thread(target=self._write_loop, daemon=True,
+                                                name=f"events-{self.service}")
+                self._thread.start()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Write what is queued (for up to `timeout_s`), then stop the writer thread."""
+        with self._lock:
+            self._closing = True
+            thread = self._thread
+        self._wake.set()
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _write_loop(self) -> None:
+        client = redis.Redis.from_url(
+            self._url, socket_connect_timeout=self._connect_timeout_s,
+            socket_timeout=self._connect_timeout_s, protocol=2)
+        while not (self._closing and not self._queue):
+            self._wake.wait(0.05)
+            batch = [self._queue.popleft() for _ in range(min(len(self._queue), 512))]
+            if not batch:
+                continue
+            try:
+                self._write(client, batch)
+            except Exception as exc:  # noqa: BLE001 - a publisher never takes its service down
+                self._drop("redis_unavailable", len(batch))
+                log.warning("events not written", extra={"error": str(exc)[:200],
+                                                         "dropped": len(batch)})
+                if self._closing:
+                    self._drop("redis_unavailable", len(self._queue))
+                    self._queue.clear()
+                    break
+                time.sleep(self._retry_after_s)
+        client.close()
+
+    def _write(self, client: redis.Redis, batch: list[_Item]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for key, field, payload in batch:
+            data = payload() if callable(payload) else payload
+            cap = (self.config.episodes_max_len if key == self._episodes_key
+                   else self.config.max_len)
+            pipe.xadd(key, {field: json.dumps(data, default=str)}, maxlen=cap,
+                      approximate=True)
+        pipe.execute()
+        _published.inc(len(batch))
+
+
+def _decode(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def parse_events(entries: list[tuple[Any, dict[Any, Any]]]) -> list[tuple[str, Event]]:
+    """XRANGE entries of the events stream as (entry id, Event); malformed ones are skipped."""
+    out = []
+    for entry_id, fields in entries:
+        raw = fields.get(b"event", fields.get("event")) or b""
+        try:
+            out.append((_decode(entry_id), Event.model_validate_json(raw)))
+        except (ValidationError, TypeError, ValueError):
+            log.warning("skipped a malformed event", extra={"entry": _decode(entry_id)})
+    return out
+
+
+def _range(client: redis.Redis, key: str, since_id: str, count: int) -> list[Any]:
+    start = "-" if since_id in ("", "0", "0-0") else f"({since_id}"
+    return list(client.xrange(key, start, "+", count=count))  # type: ignore[arg-type]
+
+
+def _episode(entry_id: Any, fields: dict[Any, Any]) -> dict[str, Any] | None:
+    try:
+        value = json.loads(fields.get(b"episode", fields.get("episode")) or b"")
+    except (TypeError, ValueError):
+        log.warning("skipped a malformed episode", extra={"entry": _decode(entry_id)})
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def read_events(client: redis.Redis, run: str, since_id: str = "0-0",
+                count: int = 10_000) -> list[tuple[str, Event]]:
+    """Up to `count` events after entry `since_id` (all from the start with "0-0")."""
+    return parse_events(_range(client, events_key(run), since_id, count))
+
+
+def read_episodes(client: redis.Redis, run: str, since_id: str = "0-0",
+                  count: int = 1000) -> list[tuple[str, dict[str, Any]]]:
+    """Up to `count` episode details after entry `since_id`."""
+    out = []
+    for entry_id, fields in _range(client, episodes_key(run), since_id, count):
+        if (value := _episode(entry_id, fields)) is not None:
+            out.append((_decode(entry_id), value))
+    return out
+
+
+def export_events(client: redis.Redis, run: str, out: str | Path,
+                  chunk: int = 5000) -> tuple[int, int]:
+    """Write the run's events and episode details to a JSONL file, oldest first: lines
+    `{"entry_id", "event"}` then `{"entry_id", "episode"}`. Returns both counts."""
+    counts = {"event": 0, "episode": 0}
+    with Path(out).open("w") as sink:
+        for name, key in (("event", events_key(run)), ("episode", episodes_key(run))):
+            since = "0-0"
+            while entries := _range(client, key, since, chunk):
+                since = _decode(entries[-1][0])
+                items = (parse_events(entries) if name == "event" else
+                         [(_decode(i), v) for i, f in entries
+                          if (v := _episode(i, f)) is not None])
+                for entry_id, item in items:
+                    value = item.model_dump() if isinstance(item, Event) else item
+                    sink.write(json.dumps({"entry_id": entry_id, name: value}) + "\n")
+                counts[name] += len(items)
+    return counts["event"], counts["episode"]
+
+
+def _lines(path: str | Path, name: str) -> Iterator[tuple[int, Any]]:
+    with Path(path).open() as source:
+        for number, line in enumerate(source, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    raise InvalidRequest(f"{path}:{number}: not a JSON line") from None
+                if isinstance(record, dict) and name in record:
+                    yield number, record[name]
+
+
+def load_events(path: str | Path) -> list[Event]:
+    """The events of a file written by `export_events`."""
+    events = []
+    for number, value in _lines(path, "event"):
+        try:
+            events.append(Event.model_validate(value))
+        except ValidationError as exc:
+            raise InvalidRequest(
+                f"{path}:{number}: not an event: {exc.errors()[0]['msg']}") from None
+    return events
+
+
+def load_episodes(path: str | Path) -> list[dict[str, Any]]:
+    """The episode details of a file written by `export_events`."""
+    return [value for _, value in _lines(path, "episode")]

@@ -1,0 +1,42 @@
+"""One finished episode as the per-sample view shows it: turns, tokens and each token's text.
+
+The sandbox service builds it because it alone holds the turns' text and the tokenizer; the
+events publisher calls the builder on its writer thread, so decoding never delays an episode.
+The record's fields are `services.common.events.EPISODE_FIELDS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from services._proto.riptide.v1 import common_pb2
+from services.sandbox.agent import AgentRun
+from services.sandbox.verifier import Verdict
+
+DecodeFn = Callable[[list[int]], str]
+
+
+def episode_detail(trajectory: common_pb2.Trajectory, run: AgentRun | None, verdict: Verdict,
+                   decode_one: DecodeFn) -> Callable[[], dict[str, Any]]:
+    """A builder of the episode's record (it reads only what is final once the episode ends)."""
+    verdict_name = common_pb2.VerdictStatus.Name(verdict.status).removeprefix("VERDICT_STATUS_")
+
+    def build() -> dict[str, Any]:
+        prompt = list(trajectory.prompt_ids)
+        response = list(trajectory.response_ids)
+        ids = prompt + response
+        return {
+            "sample_id": trajectory.sample_id, "group_id": trajectory.group_id,
+            "task_id": trajectory.task_id, "reward": verdict.reward,
+            "verdict": verdict_name.lower(), "message": verdict.message,
+            "finish_reason": trajectory.finish_reason, "engine": trajectory.engine_url,
+            "dp_rank": trajectory.dp_rank, "turns": run.turns if run is not None else [],
+            "num_prompt_tokens": len(prompt),
+            "tokens": {"ids": ids,
+                       "loss_mask": [0] * len(prompt) + list(trajectory.loss_mask),
+                       "logprobs": [0.0] * len(prompt) + list(trajectory.rollout_logprobs)},
+            "token_text": [decode_one([token]) for token in ids],
+        }
+
+    return build
