@@ -3,7 +3,7 @@
 For the dashboard's tests: `SyntheticRun()` is a healthy run (every advisory silent); each
 knob moves one aspect of it past an advisory's threshold. The entries are what the services
 write to `riptide:<run>:events` / `riptide:<run>:episodes`, and `write_jsonl` saves them as
-an export (`{"stream", "id", "data"}` per line).
+an export (the JSONL file `services.common.events.export_events` writes).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class SyntheticRun:
     busy_engine_share: float = 0.5  # share of the load engine 0 gets (0.5: balanced)
     cache_hit_rate: float = 0.75
     trainer_idle_fraction: float = 0.1
-    stall_s: float = 0.0  # > 0: the last weight sync is still open after this long
+    stall_s: float = 0.0  # > 0: the trainer ends no phase after its last sync for this long
     no_verdict_fraction: float = 0.0
     zero_variance_fraction: float = 0.2
     truncated_fraction: float = 0.05
@@ -50,9 +50,7 @@ class SyntheticRun:
         t = T0
         for step in range(1, self.num_steps + 1):
             t = self._step(step, t)
-        if self.stall_s:
-            self._event("trainer.weight_sync", "trainer", t, None, f"sync-{self.num_steps + 1}",
-                        self.num_steps, bytes=1 << 20, buckets=1)
+        if self.stall_s:  # rollout goes on reporting its load; the trainer says nothing
             self._load(t, t + self.stall_s, self.num_steps)
         return self.entries
 
@@ -131,7 +129,7 @@ class SyntheticRun:
                 self._episode(step, group_id, s, start, end, version, zero_var, stale)
             if stale:
                 dropped += 1
-                self._event("rollout.group_dropped", "rollout", end, end, group_id, version,
+                self._event("trainer.group_dropped", "trainer", end, end, group_id, version,
                             group_id=group_id, reason="stale")
             else:
                 staleness.extend(rng.choice((0, 0, 1)) for _ in range(self.samples_per_group))
@@ -146,18 +144,18 @@ class SyntheticRun:
         t1 = min(end, t0 + rng.uniform(3, 10))
         length = round(rng.uniform(100, 400) * (self.stale_length_factor if stale else 1.0))
         reward = 1.0 if zero_var else float(index % 2)
-        verdict = "no_verdict" if rng.random() < self.no_verdict_fraction else (
-            "pass" if reward >= 1 else "fail")
+        verdict = "no_verdict" if rng.random() < self.no_verdict_fraction else "scored"
         truncated = rng.random() < self.truncated_fraction
         aborted = rng.random() < self.abort_fraction
         task = ("csv-revenue", "config-edit", "json-group-by")[step % 3]
         sandbox_id = f"sbx-{sample_id}"
-        self._event("sandbox.create", "sandbox", t0, t0 + 0.2, sandbox_id, version,
-                    task_id=task)
-        self._event("sandbox.verify", "sandbox", t1 - 0.5, t1, sandbox_id, version,
+        self._event("sandbox.create", "sandbox", t0, t0 + 0.2, sample_id, None,
+                    task_id=task, sandbox=sandbox_id)
+        self._event("sandbox.verify", "sandbox", t1 - 0.5, t1, sample_id, None,
                     task_id=task, passed=reward >= 1, exit_code=0 if reward >= 1 else 1)
         if step < self.num_steps or index % 2:  # some sandboxes of the last step stay live
-            self._event("sandbox.delete", "sandbox", t1, t1 + 0.1, sandbox_id, version)
+            self._event("sandbox.delete", "sandbox", t1, t1 + 0.1, sandbox_id, None,
+                        task_id=task, sandbox=sandbox_id, ok=True)
         self._event("rollout.episode", "rollout", t0, t1, sample_id, version,
                     sample_id=sample_id, group_id=group_id, task_id=task,
                     engine=_engine(engine), dp_rank=dp_rank, turns=2, prompt_tokens=120,
@@ -182,8 +180,11 @@ def _engine(index: int) -> str:
 
 
 def write_jsonl(entries: list[tuple[str, dict[str, Any]]], path: Path) -> Path:
-    """Save entries as an events export, one `{"stream", "id", "data"}` per line."""
+    """Save entries as an events export: `{"entry_id", "event"}` lines, then
+    `{"entry_id", "episode"}` lines (the layout of `export_events`)."""
     with path.open("w", encoding="utf-8") as out:
-        for number, (stream, data) in enumerate(entries):
-            out.write(json.dumps({"stream": stream, "id": f"{number}-0", "data": data}) + "\n")
+        for stream, name in (("events", "event"), ("episodes", "episode")):
+            for number, (kind, data) in enumerate(entries):
+                if kind == stream:
+                    out.write(json.dumps({"entry_id": f"{number}-0", name: data}) + "\n")
     return path

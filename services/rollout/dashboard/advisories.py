@@ -11,10 +11,11 @@ from typing import Any
 from services.rollout.dashboard.config import AdvisoryConfig
 from services.rollout.dashboard.load import engine_totals
 from services.rollout.dashboard.record import Event, RunRecord
-from services.rollout.dashboard.timeline import trainer_idle_fraction
+from services.rollout.dashboard.timeline import TRAINER_PHASES, trainer_idle_fraction
+from services.rollout.dashboard.training import DROP_KINDS
 
 Advisory = dict[str, str]
-NO_VERDICT = (None, "", "none", "no_verdict", "error")
+NO_VERDICT = (None, "", "unspecified", "no_verdict")
 
 
 def _advice(code: str, message: str, threshold: str) -> Advisory:
@@ -108,24 +109,51 @@ def low_cache_hits(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
 
 
 def stalls(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
+    """A phase open (or the newest of its kind, just ended) far longer than the median of its
+    kind, or a trainer that has ended no phase for far longer than its usual cycle."""
     finished: dict[str, list[float]] = defaultdict(list)
     for e in record.events:
         if e.end is not None and e.end > e.start:
             finished[e.kind].append(e.end - e.start)
     now, found = record.now, []
     for e in record.events:
-        if e.end is not None:
-            continue
-        history = finished.get(e.kind, [])
-        if len(history) < cfg.stall_min_history:
-            continue
-        median, open_s = statistics.median(history), now - e.start
-        if open_s >= cfg.stall_min_s and open_s > cfg.stall_factor * median:
-            found.append(_advice("stall", f"{e.kind} {e.id} has been open {open_s:.0f} s, "
-                                          f"{open_s / median:.0f}x its median of {median:.1f} s "
-                                          f"(bound {cfg.stall_factor:g}x): it may be stuck",
-                                 "stall_factor"))
-    return found
+        if e.end is None:
+            found += _too_long(e.kind, e.id, now - e.start, finished.get(e.kind, []), cfg,
+                               "has been open")
+    for kind in (*TRAINER_PHASES, "rollout.engine_pause", "rollout.eval"):
+        took = [(e.id, e.end - e.start) for e in record.of_kind(kind) if e.end is not None]
+        if took:
+            found += _too_long(kind, took[-1][0], took[-1][1], [d for _, d in took[:-1]], cfg,
+                               "took")
+    return found + _trainer_silent(record, cfg)
+
+
+def _too_long(kind: str, ident: str, seconds: float, history: list[float],
+              cfg: AdvisoryConfig, verb: str) -> list[Advisory]:
+    if len(history) < cfg.stall_min_history:
+        return []
+    median = statistics.median(history)
+    if seconds >= cfg.stall_min_s and seconds > cfg.stall_factor * median:
+        return [_advice("stall", f"{kind} {ident} {verb} {seconds:.0f} s, "
+                                 f"{seconds / max(median, 1e-9):.0f}x its median of "
+                                 f"{median:.1f} s (bound {cfg.stall_factor:g}x): it may be "
+                                 "stuck", "stall_factor")]
+    return []
+
+
+def _trainer_silent(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
+    ends = sorted(e.end for e in record.of_kind("trainer.step") if e.end is not None)
+    phases = [e.end for e in record.of_kind(*TRAINER_PHASES) if e.end is not None]
+    if len(ends) <= cfg.stall_min_history or not phases:
+        return []
+    cycle = statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
+    quiet = record.now - max(phases)
+    if quiet >= cfg.stall_min_s and quiet > cfg.stall_factor * cycle:
+        return [_advice("stall", f"the trainer has ended no phase for {quiet:.0f} s while a "
+                                 f"step takes {cycle:.1f} s (bound {cfg.stall_factor:g}x): it "
+                                 "may be stuck in a step, checkpoint or weight sync",
+                        "stall_factor")]
+    return []
 
 
 def _fraction(record: RunRecord, cfg: AdvisoryConfig, code: str, threshold: str,
@@ -178,7 +206,7 @@ def zero_variance(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
 
 
 def stale_length_bias(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
-    stale = {str(e.attrs.get("group_id")) for e in record.of_kind("rollout.group_dropped")
+    stale = {str(e.attrs.get("group_id") or e.id) for e in record.of_kind(*DROP_KINDS)
              if "stale" in str(e.attrs.get("reason", ""))}
     episodes = _episodes(record)
     groups = {str(e.get("group_id")) for e in episodes}

@@ -83,9 +83,14 @@ def engines_table(record: RunRecord) -> list[dict[str, Any]]:
 
 def live_sandboxes(record: RunRecord) -> list[dict[str, Any]]:
     """Sandboxes created and not yet deleted, oldest first, with their age in seconds."""
-    deleted = {e.id for e in record.of_kind("sandbox.delete")}
-    created = {e.id: e for e in record.of_kind("sandbox.create") if e.id not in deleted}
+    deleted = {_sandbox(e) for e in record.of_kind("sandbox.delete")}
+    created = {_sandbox(e): e for e in record.of_kind("sandbox.create")
+               if e.attrs.get("sandbox") and _sandbox(e) not in deleted}  # no id: create failed
     now = record.now
-    return [{"id": e.id, "task_id": e.attrs.get("task_id"), "age_s": now - e.start,
-             "weight_version": e.weight_version}
+    return [{"sandbox": _sandbox(e), "sample_id": e.id, "task_id": e.attrs.get("task_id"),
+             "age_s": now - e.start}
             for e in sorted(created.values(), key=lambda e: e.start)]
+
+
+def _sandbox(event: Event) -> str:
+    return str(event.attrs.get("sandbox") or event.id)

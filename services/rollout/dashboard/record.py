@@ -2,13 +2,12 @@
 
 Events come from the stream `riptide:<run>:events` (field `event`, a JSON span: kind,
 service, start, end, id, weight_version, attrs); episodes from `riptide:<run>:episodes`
-(field `episode`). A saved run is a JSONL file with one `{"stream": "events" | "episodes",
-"id": ..., "data": {...}}` per line (what `riptide events export` writes).
+(field `episode`); the schema is services/common/events.py. A saved run is the JSONL file
+its `export_events` writes.
 """
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,31 +87,15 @@ class RunRecord:
 
 
 def load_jsonl(path: Path, max_events: int = 200_000) -> RunRecord:
-    """A saved run from its JSONL export; a bad line is an error naming its number."""
+    """A saved run from its export (`services.common.events.export_events`); a bad line is
+    an error naming its number."""
+    from services.common.events import load_episodes, load_events
+
+    if not path.is_file():
+        raise InvalidRequest(f"cannot read the events export {path}: no such file")
     record = RunRecord(max_events=max_events)
-    try:
-        lines = path.open(encoding="utf-8")
-    except OSError as exc:
-        raise InvalidRequest(f"cannot read the events export {path}: {exc.strerror}") from None
-    with lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-                stream, data = entry["stream"], entry["data"]
-                if stream == "events":
-                    record.add_event(data)
-                elif stream == "episodes":
-                    record.add_episode(data)
-                else:
-                    raise InvalidRequest(f"unknown stream {quote(stream, 30)}")
-            except (ValueError, KeyError, TypeError, InvalidRequest) as exc:
-                raise InvalidRequest(f"{path}:{number}: not an export line "
-                                     f"({quote(str(exc), 120)})") from None
+    for event in load_events(path):
+        record.add_event(event.model_dump())
+    for episode in load_episodes(path):
+        record.add_episode(episode)
     return record
-
-
-def export_line(stream: str, entry_id: str, data: dict[str, Any]) -> str:
-    """One JSONL line of an export (the inverse of `load_jsonl`)."""
-    return json.dumps({"stream": stream, "id": entry_id, "data": data})

@@ -13,19 +13,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from services.common.errors import InvalidRequest, Unavailable
+from services.common.events import episodes_key, events_key
 from services.rollout.dashboard.record import RunRecord, load_jsonl
 
 log = logging.getLogger(__name__)
 READ_CHUNK = 5000
 SCAN_CHUNK = 100
-
-
-def events_key(run: str) -> str:
-    return f"riptide:{run}:events"
-
-
-def episodes_key(run: str) -> str:
-    return f"riptide:{run}:episodes"
 
 
 class EventSource(Protocol):

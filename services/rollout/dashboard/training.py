@@ -34,10 +34,14 @@ def staleness_histogram(record: RunRecord) -> dict[str, int]:
     return {str(k): counts[k] for k in sorted(counts)}
 
 
+DROP_KINDS = ("rollout.group_dropped", "trainer.group_dropped")
+
+
 def dropped_groups(record: RunRecord) -> dict[str, int]:
-    """Dropped groups by reason."""
-    counts = Counter(str(e.attrs.get("reason", "?"))
-                     for e in record.of_kind("rollout.group_dropped"))
+    """Dropped groups by reason and by who dropped them (the rollout before the stream, the
+    trainer after reading)."""
+    counts = Counter(f"{e.attrs.get('reason', '?')} ({e.service})"
+                     for e in record.of_kind(*DROP_KINDS))
     return dict(counts.most_common())
 
 

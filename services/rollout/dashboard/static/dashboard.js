@@ -107,8 +107,8 @@
       ["running", "running"], ["waiting", "waiting"], [r => pct(r.hit_rate), "cache hits"],
       [r => r.healthy ? "healthy" : "unhealthy", "health"], ["weight_version", "weights"],
       ["circuit", "circuit"]], s.engines));
-    mark("sandboxes", table($("sandboxes"), [["id", "sandbox"], ["task_id", "task"],
-      ["age_s", "age (s)"], ["weight_version", "weights"]], s.sandboxes));
+    mark("sandboxes", table($("sandboxes"), [["sandbox", "sandbox"], ["task_id", "task"],
+      ["sample_id", "sample"], ["age_s", "age (s)"]], s.sandboxes));
     mark("samples", table($("samples"), [["sample_id", "sample"], ["task_id", "task"],
       ["reward", "reward"], ["verdict", "verdict"], ["turns", "turns"],
       ["response_tokens", "resp. tokens"], ["engine", "engine"], ["dp_rank", "dp"],

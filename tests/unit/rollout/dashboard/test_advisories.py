@@ -62,3 +62,21 @@ def test_thresholds_come_from_config() -> None:
     record = _record(truncated_fraction=0.5)
     assert not [a for a in advise(record, AdvisoryConfig(max_truncated_fraction=0.9))
                 if a["code"] == "truncated"]
+
+
+def test_an_open_phase_far_past_its_median_is_a_stall() -> None:
+    """Spans published at their start (end None) are judged while still open."""
+    record = _record()
+    record.add_event({"kind": "trainer.checkpoint", "service": "trainer",
+                      "start": record.now - 200, "end": None, "id": "ckpt-9"})
+    found = [a for a in advise(record, AdvisoryConfig()) if a["code"] == "stall"]
+    assert found and "trainer.checkpoint ckpt-9 has been open" in found[0]["message"]
+
+
+def test_a_phase_that_just_took_far_longer_than_its_median_is_a_stall() -> None:
+    record = _record()
+    last = record.now
+    record.add_event({"kind": "trainer.weight_sync", "service": "trainer",
+                      "start": last, "end": last + 120, "id": "sync-slow"})
+    found = [a for a in advise(record, AdvisoryConfig()) if a["code"] == "stall"]
+    assert any("sync-slow took 120 s" in a["message"] for a in found)

@@ -39,6 +39,8 @@ def test_an_open_phase_runs_to_now() -> None:
     record = RunRecord()
     for _, data in (e for e in SyntheticRun(stall_s=90.0).generate() if e[0] == "events"):
         record.add_event(data)
+    record.add_event({"kind": "trainer.weight_sync", "service": "trainer",
+                      "start": record.now - 50, "end": None, "id": "open"})
     spans = timeline.phase_timeline(record)["lanes"][0]["spans"]
     open_spans = [s for s in spans if s["open"]]
     assert len(open_spans) == 1 and open_spans[0]["end"] == record.now
@@ -95,7 +97,7 @@ def test_training_panels(record: RunRecord, run: SyntheticRun) -> None:
     dropped = training.dropped_groups(record)
     consumed = sum(training.staleness_histogram(record).values())
     total = run.num_steps * run.groups_per_step * run.samples_per_group
-    assert consumed + dropped.get("stale", 0) * run.samples_per_group == total
+    assert consumed + dropped.get("stale (trainer)", 0) * run.samples_per_group == total
     assert [e["weight_version"] for e in training.evals(record)] == [4, 8]
 
 
@@ -111,9 +113,10 @@ def test_sample_table_and_view(record: RunRecord, run: SyntheticRun) -> None:
 
 def test_a_bad_export_line_is_named(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"stream": "events", "id": "1-0", "data": {"kind": "x", "start": 1}}\n'
-                    '{"stream": "events", "id": "2-0", "data": {"start": 1}}\n')
-    with pytest.raises(InvalidRequest, match=r"bad.jsonl:2: .*kind"):
+    path.write_text('{"entry_id": "1-0", "event": {"kind": "x", "service": "trainer", '
+                    '"start": 1, "end": 1}}\n'
+                    '{"entry_id": "2-0", "event": {"start": 1}}\n')
+    with pytest.raises(InvalidRequest, match=r"bad.jsonl:2: not an event"):
         load_jsonl(path)
     with pytest.raises(InvalidRequest, match="cannot read"):
         load_jsonl(tmp_path / "missing.jsonl")
