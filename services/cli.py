@@ -69,12 +69,16 @@ def _parser() -> argparse.ArgumentParser:
 
     dash = sub.add_parser("dashboard", help="serve the run dashboard of a saved or running run "
                                             "on a free port; prints its URL")
-    source = dash.add_mutually_exclusive_group(required=True)
+    source = dash.add_mutually_exclusive_group()
     source.add_argument("--events", type=Path, default=None,
                         help="a JSONL export of the run's events streams")
     source.add_argument("--redis", default=None, metavar="URL",
                         help="read the run's events streams from this Redis")
-    dash.add_argument("--run", default="local", help="run name (with --redis; default local)")
+    dash.add_argument("--run", default=None, help="run name (with --redis; default: the "
+                                                  "config's, else local)")
+    dash.add_argument("--config", type=Path, default=None,
+                      help="deployment TOML: its [rollout.dashboard] thresholds, and its Redis "
+                           "and run name when neither --events nor --redis is given")
     dash.add_argument("--host", default="127.0.0.1", help="address to listen on")
     dash.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
 
@@ -154,16 +158,28 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _dashboard(args: argparse.Namespace) -> int:
+    from services.common.errors import ConfigError
     from services.rollout.dashboard.config import DashboardConfig
     from services.rollout.dashboard.source import EventSource, FileSource, RedisSource
     from services.rollout.dashboard.standalone import serve_dashboard
 
-    config = DashboardConfig()
+    deployment = None
+    if args.config is not None:
+        from services.deployment import load_config
+
+        deployment = load_config(args.config)
+    config = deployment.rollout.dashboard if deployment is not None else DashboardConfig()
     source: EventSource
     if args.events is not None:
         source = FileSource(args.events, config.max_events)  # a bad file fails here, at once
+    elif args.redis is not None:
+        run = args.run or (deployment.run.name if deployment is not None else "local")
+        source = RedisSource(args.redis, run, config.max_events)
+    elif deployment is not None:
+        source = RedisSource(deployment.redis.url, args.run or deployment.run.name,
+                             config.max_events)
     else:
-        source = RedisSource(args.redis, args.run, config.max_events)
+        raise ConfigError("riptide dashboard needs --events FILE, --redis URL or --config FILE")
     asyncio.run(serve_dashboard(source, config, args.host, args.port,
                                 say=lambda line: print(line, flush=True)))
     return 0

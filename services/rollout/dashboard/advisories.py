@@ -178,7 +178,8 @@ def no_verdicts(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
 def truncations(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
     return _fraction(record, cfg, "truncated", "max_truncated_fraction",
                      cfg.max_truncated_fraction, lambda e: bool(e.get("truncated")),
-                     "hit the response token limit; raise max_new_tokens or the context")
+                     "were cut short (context length, turn or wall-time limit); raise "
+                     "max_context_tokens, max_turns or wall_time_s")
 
 
 def aborts(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
@@ -190,7 +191,8 @@ def aborts(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
 def zero_variance(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
     rewards: dict[str, list[float]] = defaultdict(list)
     for e in _episodes(record):
-        rewards[str(e.get("group_id"))].append(e.get("reward") or 0.0)
+        if isinstance(e.get("reward"), int | float):  # no verdict, no reward
+            rewards[str(e.get("group_id"))].append(e["reward"])
     groups = [r for r in rewards.values() if len(r) >= 2]
     if sum(len(r) for r in groups) < cfg.min_samples:
         return []

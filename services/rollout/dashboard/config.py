@@ -43,7 +43,8 @@ class AdvisoryConfig(StrictModel):
     max_zero_variance_fraction: float = Field(
         0.5, ge=0, le=1, description="groups whose samples all scored the same, at most")
     max_truncated_fraction: float = Field(
-        0.2, ge=0, le=1, description="episodes whose response hit the token limit, at most")
+        0.2, ge=0, le=1,
+        description="episodes cut short by the context, turn or wall-time limit, at most")
     max_abort_fraction: float = Field(
         0.03, ge=0, le=1, description="episodes aborted (engine pause, fault), at most")
     min_stale_drop_fraction: float = Field(

@@ -104,7 +104,7 @@
       points: s.evals.map(e => [e.weight_version, e.mean_success])}],
       {xLabel: "weight version", yMin: 0}));
     mark("engines", table($("engines"), [["engine", "engine"], ["dp_rank", "dp rank"],
-      ["running", "running"], ["waiting", "waiting"], [r => pct(r.hit_rate), "cache hits"],
+      ["state", "state"], ["running", "running"], ["waiting", "waiting"], [r => pct(r.hit_rate), "cache hits"],
       [r => r.healthy ? "healthy" : "unhealthy", "health"], ["weight_version", "weights"],
       ["circuit", "circuit"]], s.engines));
     mark("sandboxes", table($("sandboxes"), [["sandbox", "sandbox"], ["task_id", "task"],

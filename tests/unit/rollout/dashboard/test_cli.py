@@ -45,3 +45,10 @@ def test_a_missing_export_is_a_precise_error(tmp_path: Path) -> None:
                             timeout=60)
     assert result.returncode == 2
     assert "cannot read the events export" in result.stderr and "none.jsonl" in result.stderr
+
+
+def test_without_a_source_it_says_which_to_give() -> None:
+    result = subprocess.run([sys.executable, "-m", "services.cli", "dashboard"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--events FILE, --redis URL or --config FILE" in result.stderr
