@@ -82,6 +82,14 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--host", default="127.0.0.1", help="address to listen on")
     dash.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
 
+    events = sub.add_parser("events", help="the run's events streams (dashboard data)")
+    events_sub = events.add_subparsers(dest="events_command", required=True)
+    export = events_sub.add_parser("export", help="save a run's events and episode details "
+                                                  "to a JSONL file, to reopen it later")
+    export.add_argument("--redis", required=True, help="redis:// URL of the run's Redis")
+    export.add_argument("--run", required=True, help="the run name ([run] name)")
+    export.add_argument("--out", required=True, type=Path, help="JSONL file to write")
+
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("create-tiny", help="write a tiny random model (no download)")
@@ -185,6 +193,24 @@ def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _events(args: argparse.Namespace) -> int:
+    import redis
+
+    from services.common.errors import Unavailable
+    from services.common.events import export_events
+
+    client = redis.Redis.from_url(args.redis, socket_connect_timeout=5.0, socket_timeout=30.0)
+    try:
+        num_events, num_episodes = export_events(client, args.run, args.out)
+    except redis.RedisError as exc:
+        raise Unavailable(f"cannot read the events of run {args.run!r} from Redis: {exc}") from None
+    finally:
+        client.close()
+    print(f"wrote {num_events} events and {num_episodes} episodes of run {args.run} "
+          f"to {args.out}")
+    return 0 if num_events or num_episodes else 1
+
+
 def _model(args: argparse.Namespace) -> int:
     if args.model_command == "fetch":
         from services.common.model_fetch import fetch_model
@@ -255,7 +281,7 @@ def _eval_model(args: argparse.Namespace) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"serve": _serve, "up": _up, "status": _status, "model": _model,
-                "eval": _eval, "dashboard": _dashboard}
+                "eval": _eval, "events": _events, "dashboard": _dashboard}
     try:
         return handlers[args.command](args)
     except RiptideError as exc:

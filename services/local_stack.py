@@ -30,6 +30,7 @@ from services.common import process
 from services.common.config import deep_merge, dump_config
 from services.common.errors import ConfigError, RiptideError, Unavailable
 from services.common.ports import free_ports
+from services.common.progress import StepProgress
 from services.common.supervision import GaveUp, Supervisor
 from services.deployment import load_config, validate_config
 from services.rollout.dashboard.config import dashboard_url
@@ -207,9 +208,30 @@ class LocalStack:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        """Stop the services, then Redis."""
+        """Stop the services, save the run's events (while Redis still runs), then Redis."""
         names = [n for n in reversed(SERVICE_ORDER) if n in self.supervisor.children]
-        self.supervisor.stop_all(names + [n for n in self.supervisor.children if n not in names])
+        self.supervisor.stop_all(names)
+        if "redis" in self.supervisor.children and self.config.run.events.enabled:
+            self.save_events()
+        self.supervisor.stop_all()
+
+    def save_events(self) -> None:
+        """Write the run's events to <run dir>/events.jsonl, to reopen the run later."""
+        import redis
+
+        from services.common.events import export_events
+
+        path = self.run_dir / "events.jsonl"
+        client = redis.Redis.from_url(self.config.redis.url, socket_connect_timeout=2.0,
+                                      socket_timeout=30.0)
+        try:
+            num_events, num_episodes = export_events(client, self.config.run.name, path)
+        except redis.RedisError as exc:
+            self.say(f"[up] events not saved: {exc}")
+            return
+        finally:
+            client.close()
+        self.say(f"[up] saved {num_events} events and {num_episodes} episodes to {path}")
 
 
 def _http_ok(url: str) -> bool:
@@ -255,8 +277,12 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
     print(f"[up] config {config_path}  logs {run_dir / 'logs'}", flush=True)
     stack = LocalStack(run_dir, config_path, say=lambda m: print(m, flush=True))
     signal.signal(signal.SIGTERM, _interrupt)
+    progress = None
     try:
         resumed_step = _announce_run(stack)
+        if stack.config.run.events.enabled:
+            target = None if steps is None else resumed_step + steps
+            progress = StepProgress(stack.config.redis.url, stack.config.run.name, target)
         stack.start()
         print("[up] all services ready; `riptide status --config "
               f"{config_path}` shows their state; Ctrl-C stops the stack", flush=True)
@@ -267,12 +293,14 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         target = None if steps is None else resumed_step + steps
         if target is not None and resumed_step:
             print(f"[up] --steps {steps}: training until step {target}", flush=True)
-        return _supervise(stack, target, summarize)
+        return _supervise(stack, target, summarize, progress)
     except KeyboardInterrupt:
         print("\n[up] stopping", flush=True)
         return 130
     finally:
         stack.stop()
+        if progress is not None:
+            progress.close()
         print("[up] stopped", flush=True)
 
 
@@ -303,10 +331,18 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _supervise(stack: LocalStack, target_step: int | None,
-               summarize: Callable[[Any], str] | None) -> int:
+               summarize: Callable[[Any], str] | None,
+               progress: StepProgress | None = None) -> int:
+    def print_progress() -> None:
+        for line in progress.poll() if progress is not None else ():
+            print(line, flush=True)
+
     while True:
         stack.check_children()
+        print_progress()
         if target_step is not None and trainer_step(stack.config) >= target_step:
+            time.sleep(0.5)  # the last step's event is on its way (the publisher batches)
+            print_progress()
             if summarize is not None:
                 print(summarize(stack.config), flush=True)
             return 0

@@ -38,36 +38,56 @@ Service = Literal["trainer", "rollout", "sandbox", "router"]
 
 #: Every kind, and the attrs its events carry (an instant has end == start).
 KINDS: dict[str, str] = {
-    "trainer.step": "span of one optimizer step: step, reward_mean, success_rate, groups, "
-                    "samples, tokens, tokens_per_s, loss, mismatch_kl, staleness (list: the "
-                    "staleness of each consumed sample), idle_fraction (share of the time since "
-                    "the previous step spent waiting for data)",
-    "trainer.wait_data": "span the trainer waited for groups: groups (how many it got)",
-    "trainer.checkpoint": "span of a checkpoint save: step",
+    "trainer.step": "span of one optimizer step (forward, backward, update; checkpoint and "
+                    "sync are their own spans); weight_version is the one trained from: step, "
+                    "reward_mean, success_rate (share of rewards >= 1), groups, samples, "
+                    "tokens, tokens_per_s, loss, mismatch_kl, staleness (list, one per trained "
+                    "sample: weight versions between its group's oldest token and the trained "
+                    "version), idle_fraction (this cycle's wait for data over wait + step + "
+                    "checkpoint + sync)",
+    "trainer.wait_data": "span the trainer waited for a batch: groups (how many it got)",
+    "trainer.checkpoint": "span of a checkpoint save and its stream acks: step",
     "trainer.group_dropped": "instant: a group read but not trained: group_id, reason (stale)",
-    "trainer.weight_sync": "span of a whole weight broadcast: bytes, buckets",
-    "trainer.weight_sync.bucket": "span of one bucket's broadcast: index, bytes",
-    "rollout.engine_pause": "span an engine was paused (pause..resume): engine, reason",
-    "rollout.episode": "span of one episode (submit..trajectory): sample_id, group_id, task_id, "
-                       "engine, dp_rank, turns, prompt_tokens, response_tokens, cached_tokens, "
-                       "reward, verdict, weight_versions (distinct, sorted), truncated, "
-                       "aborted, eval (bool)",
-    "rollout.group_dropped": "instant: group_id, reason (stale, no_verdict, ...)",
-    "rollout.eval": "span of one evaluation: weight_version, mean_success, per_task",
+    "trainer.weight_sync": "span of a whole weight push, retries included; weight_version is "
+                           "the new one: bytes, buckets (null when the push was given up)",
+    "trainer.weight_sync.bucket": "span of one bucket's broadcast (id version/index): index, "
+                                  "bytes",
+    "rollout.engine_pause": "span an engine was paused (pause..resume; id the engine URL): "
+                            "engine, reason (weight_update), outcome (committed, abandoned, "
+                            "no_buckets)",
+    "rollout.episode": "span of one episode, submit..trajectory (id the sample id); "
+                       "weight_version the rollout's when it ended: sample_id, group_id, "
+                       "task_id, engine, dp_rank (of its last turn), turns, prompt_tokens, "
+                       "response_tokens (of the trajectory), engine_prompt_tokens and "
+                       "cached_tokens (summed over its turns as the engine reported them), "
+                       "reward (null without verdict), verdict (scored, no_verdict, ...), "
+                       "finish_reason, weight_versions (distinct, sorted), truncated "
+                       "(context_length, max_turns or wall_time), aborted (an engine aborted "
+                       "a turn), message (why no verdict), eval (bool)",
+    "rollout.group_dropped": "instant (id the group id): group_id, reason (stale, no_verdict, "
+                             "zero_variance, rejected_duplicate_id), samples",
+    "rollout.eval": "span of one evaluation, first episode..last: weight_version, "
+                    "mean_success, per_task ({task: success})",
     "rollout.load": "instant, about every second: in_flight, cap, engines (list of {engine, "
-                    "dp_rank, running, waiting, cached_tokens, prompt_tokens (both cumulative, "
-                    "summed from the engine's per-request meta_info), healthy, weight_version, "
-                    "circuit})",
-    "sandbox.create": "span of a sandbox creation: task_id, sandbox",
-    "sandbox.delete": "span of a sandbox deletion: task_id, sandbox",
-    "sandbox.verify": "span of the verifier run: task_id, passed, exit_code, reward",
+                    "dp_rank, state (fleet), running, waiting, in_flight (router calls), "
+                    "prompt_tokens, cached_tokens (both cumulative over the calls the router "
+                    "routed there, from the engine's meta_info), healthy, weight_version, "
+                    "circuit (open or closed)})",
+    "sandbox.create": "span of a sandbox creation (id the sample id): task_id, sandbox, "
+                      "error (type, when it failed)",
+    "sandbox.delete": "span of a sandbox deletion (id the sandbox id): sandbox, task_id, ok",
+    "sandbox.verify": "span of the verifier (id the sample id): task_id, passed (reward >= 1), "
+                      "scored, reward, exit_code (of tests/test.sh; null when it timed out)",
 }
 
-#: Fields of an `riptide:<run>:episodes` entry. `tokens` covers prompt then response; the
-#: loss mask is 0 on the prompt. `token_text` is each token decoded on its own by the
-#: sandbox's tokenizer (so the dashboard needs no engine). Observations are cut to 4000 chars.
-EPISODE_FIELDS = ("sample_id", "group_id", "task_id", "reward", "verdict", "finish_reason",
-                  "engine", "dp_rank", "turns", "tokens", "token_text", "num_prompt_tokens")
+#: Fields of an `riptide:<run>:episodes` entry (services/sandbox/episode_detail.py).
+#: `turns`: [{assistant, commands, observation}]; `tokens`: {ids, loss_mask, logprobs} over
+#: prompt then response (mask 0 and log-prob 0 on the prompt, the first num_prompt_tokens);
+#: `token_text`: each token decoded on its own by the sandbox's tokenizer, special tokens
+#: kept, so the dashboard needs no engine. Observations are cut to OBSERVATION_MAX_CHARS.
+EPISODE_FIELDS = ("sample_id", "group_id", "task_id", "reward", "verdict", "message",
+                  "finish_reason", "engine", "dp_rank", "turns", "num_prompt_tokens", "tokens",
+                  "token_text")
 OBSERVATION_MAX_CHARS = 4000
 
 _dropped = counter("riptide_events_dropped_total",
@@ -185,7 +205,8 @@ class EventPublisher:
     def _write_loop(self) -> None:
         client = redis.Redis.from_url(
             self._url, socket_connect_timeout=self._connect_timeout_s,
-            socket_timeout=self._connect_timeout_s, protocol=2)
+            socket_timeout=max(self._connect_timeout_s, 5.0), protocol=2)
+        failing = False
         while not (self._closing and not self._queue):
             self._wake.wait(0.05)
             batch = [self._queue.popleft() for _ in range(min(len(self._queue), 512))]
@@ -193,10 +214,15 @@ class EventPublisher:
                 continue
             try:
                 self._write(client, batch)
+                if failing:
+                    failing = False
+                    log.info("events are written again", extra={"dropped": self.dropped})
             except Exception as exc:  # noqa: BLE001 - a publisher never takes its service down
                 self._drop("redis_unavailable", len(batch))
-                log.warning("events not written", extra={"error": str(exc)[:200],
-                                                         "dropped": len(batch)})
+                if not failing:  # once per outage, not once per batch
+                    failing = True
+                    log.warning("events not written; dropping them until Redis answers",
+                                extra={"error": str(exc)[:200]})
                 if self._closing:
                     self._drop("redis_unavailable", len(self._queue))
                     self._queue.clear()

@@ -121,11 +121,11 @@ class Supervisor:
                                          f"{self.policy.window_s:.0f}s)")
 
     def stop_all(self, order: list[str] | None = None) -> None:
-        """Stop every child (in `order`, default reverse of adding) by process group."""
-        names = order or list(reversed(self.children))
+        """Stop the children named in `order` (default: every one, reverse of adding) by
+        process group; the others keep running and stay supervised."""
+        names = list(reversed(self.children)) if order is None else order
         for name in names:
-            process.stop(self.children[name].proc)
-        self.children.clear()
+            process.stop(self.children.pop(name).proc)
 
     def state(self) -> dict[str, dict[str, object]]:
         return {c.name: {"pid": c.proc.pid, "restarts": c.restarts,

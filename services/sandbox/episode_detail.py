@@ -19,23 +19,25 @@ DecodeFn = Callable[[list[int]], str]
 
 def episode_detail(trajectory: common_pb2.Trajectory, run: AgentRun | None, verdict: Verdict,
                    decode_one: DecodeFn) -> Callable[[], dict[str, Any]]:
-    """A builder of the episode's record (it reads only what is final once the episode ends)."""
+    """A builder of the episode's record. It reads the agent's own token lists (final once the
+    episode ended), never the trajectory message, which the servicer is sending meanwhile."""
     verdict_name = common_pb2.VerdictStatus.Name(verdict.status).removeprefix("VERDICT_STATUS_")
-
-    def build() -> dict[str, Any]:
-        prompt = list(trajectory.prompt_ids)
-        response = list(trajectory.response_ids)
-        ids = prompt + response
-        return {
-            "sample_id": trajectory.sample_id, "group_id": trajectory.group_id,
+    head = {"sample_id": trajectory.sample_id, "group_id": trajectory.group_id,
             "task_id": trajectory.task_id, "reward": verdict.reward,
             "verdict": verdict_name.lower(), "message": verdict.message,
             "finish_reason": trajectory.finish_reason, "engine": trajectory.engine_url,
-            "dp_rank": trajectory.dp_rank, "turns": run.turns if run is not None else [],
+            "dp_rank": trajectory.dp_rank}
+
+    def build() -> dict[str, Any]:
+        trace = run.trace if run is not None else None
+        prompt = trace.prompt_ids if trace is not None else []
+        ids = prompt + (trace.response_ids if trace is not None else [])
+        return {
+            **head, "turns": run.turns if run is not None else [],
             "num_prompt_tokens": len(prompt),
             "tokens": {"ids": ids,
-                       "loss_mask": [0] * len(prompt) + list(trajectory.loss_mask),
-                       "logprobs": [0.0] * len(prompt) + list(trajectory.rollout_logprobs)},
+                       "loss_mask": [0] * len(prompt) + (trace.loss_mask if trace else []),
+                       "logprobs": [0.0] * len(prompt) + (trace.logprobs if trace else [])},
             "token_text": [decode_one([token]) for token in ids],
         }
 

@@ -121,6 +121,36 @@ def test_up_with_steps_trains_syncs_and_summarizes(tmp_path: Path) -> None:
     assert summary["prefix_cache_hit_rate"] > 0.5
     time.sleep(0.5)
     assert alive(children) == set(), "processes left behind after the run ended"
+    _check_progress_and_events(log.read_text(), tmp_path / "stack" / "events.jsonl")
+
+
+#: What a two-step local run publishes (dropped groups and evaluations: unit tests).
+RUN_KINDS = {"trainer.step", "trainer.wait_data", "trainer.checkpoint", "trainer.weight_sync",
+             "trainer.weight_sync.bucket", "rollout.engine_pause", "rollout.episode",
+             "rollout.load", "sandbox.create", "sandbox.delete", "sandbox.verify"}
+
+
+def _check_progress_and_events(text: str, saved: Path) -> None:
+    """One progress line per step, and the run's events saved at the end, each kind there."""
+    from services.common.events import load_episodes, load_events
+
+    lines = [line for line in text.splitlines() if line.startswith("[step ")]
+    assert [line.split("]")[0] for line in lines] == ["[step 1", "[step 2"], text[-3000:]
+    assert all("idle " in line and "cache hit " in line and "staleness " in line
+               for line in lines)
+    assert "ETA " in lines[1]
+    events = load_events(saved)
+    assert RUN_KINDS <= {e.kind for e in events}, sorted({e.kind for e in events})
+    loads = [e for e in events if e.kind == "rollout.load" and e.attrs["engines"]]
+    assert any(r["cached_tokens"] > 0 for e in loads for r in e.attrs["engines"])
+    episode = next(e for e in events if e.kind == "rollout.episode")
+    assert episode.attrs["engine"].startswith("http://") and episode.attrs["turns"] >= 1
+    step = next(e for e in events if e.kind == "trainer.step")
+    assert len(step.attrs["staleness"]) == step.attrs["samples"] > 0
+    detail = load_episodes(saved)[0]
+    assert detail["turns"] and detail["turns"][0]["assistant"]
+    assert len(detail["token_text"]) == len(detail["tokens"]["ids"])
+    assert len(detail["tokens"]["loss_mask"]) == len(detail["tokens"]["ids"])
 
 
 def test_a_service_failing_at_start_stops_the_stack_with_its_error(tmp_path: Path) -> None:

@@ -129,3 +129,19 @@ def test_truncation_keeps_head_and_tail() -> None:
     cut = truncate_middle(text, 100)
     assert cut.startswith("HEAD") and cut.endswith("TAIL") and "omitted" in cut
     assert len(cut) < 160
+
+
+def test_turns_text_and_engine_counts_are_kept_for_the_episode_detail() -> None:
+    from dataclasses import replace
+
+    first = replace(_turn(command_turn("echo hi", 5), version=3), engine_url="http://e",
+                    dp_rank=1, prompt_tokens=40, cached_tokens=0)
+    second = replace(_turn("<task_complete/>", version=4), engine_url="http://e", dp_rank=1,
+                     prompt_tokens=70, cached_tokens=40)
+    run = _run(TerminalAgent(ListModel([first, second]), CHAT, FakeProvider(output="hi\n"),
+                             AgentConfig(persistent_shell=False)))
+    assert [t["commands"] for t in run.turns] == [["echo hi"], []]
+    assert run.turns[0]["observation"] == "$ echo hi\nhi\n[exit code 0]"
+    assert "echo hi" in run.turns[0]["assistant"] and run.turns[1]["observation"] == ""
+    assert (run.engine_url, run.dp_rank, run.prompt_tokens, run.cached_tokens) == (
+        "http://e", 1, 110, 40)

@@ -68,3 +68,33 @@ def test_export_then_load_round_trip(redis_url: str, workdir: Path) -> None:
     assert [e.attrs["reason"] for e in load_events(out)] == ["stale"]
     assert load_episodes(out) == [{"sample_id": "s1", "turns": [], "reward": 1.0}]
     assert [v["sample_id"] for _, v in read_episodes(client, "done")] == ["s1"]
+
+
+def test_step_progress_prints_a_line_per_new_step_with_cache_hit_and_eta(
+        redis_url: str) -> None:
+    import time
+
+    from services.common.progress import StepProgress
+
+    old = EventPublisher(redis_url, "live", "trainer", EventsConfig())
+    old.publish("trainer.step", attrs={"step": 7})  # an earlier run's step: not shown
+    old.close(timeout_s=10.0)
+    time.sleep(0.01)
+    progress = StepProgress(redis_url, "live", target_step=3)
+    rollout = EventPublisher(redis_url, "live", "rollout", EventsConfig())
+    rollout.publish("rollout.load", attrs={"in_flight": 3, "cap": 8, "engines": [
+        {"engine": "e0", "dp_rank": 0, "prompt_tokens": 300, "cached_tokens": 240},
+        {"engine": "e1", "dp_rank": 0, "prompt_tokens": 100, "cached_tokens": 0}]})
+    rollout.close(timeout_s=10.0)
+    trainer = EventPublisher(redis_url, "live", "trainer", EventsConfig())
+    for step in (1, 2):
+        trainer.publish("trainer.step", start=10.0, end=12.5, attrs={
+            "step": step, "reward_mean": 0.25, "success_rate": 0.5, "groups": 2,
+            "idle_fraction": 0.4, "staleness": [0, 1, 1, 2]})
+    trainer.close(timeout_s=10.0)
+    lines = progress.poll()
+    progress.close()
+    assert [line.split("]")[0] for line in lines] == ["[step 1", "[step 2"]
+    assert "reward 0.250" in lines[0] and "groups 2" in lines[0] and "idle 40%" in lines[0]
+    assert "cache hit 60%" in lines[0] and "staleness 1.00 (max 2)" in lines[0]
+    assert "ETA" not in lines[0] and "ETA " in lines[1]
