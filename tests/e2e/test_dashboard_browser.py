@@ -1,5 +1,6 @@
 """The dashboard of a running local stack in headless Chromium: every panel fills with real
-data, one sample opens, and a screenshot is saved as the test's artifact."""
+data, one sample opens, and a screenshot is saved as the test's artifact; then the finished
+run reopens from the events it saved."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import pytest
 from services.common import process
 from services.common.config import dump_config
 from services.local_stack import ensure_tiny_model, local_config
+from services.rollout.dashboard.config import DashboardConfig
+from services.rollout.dashboard.record import load_jsonl
+from services.rollout.dashboard.summary import summary
 from services.testing.chromium import Chromium, find_chromium
 
 pytestmark = pytest.mark.slow
@@ -106,3 +110,8 @@ def test_dashboard_of_a_running_stack_in_chromium(tmp_path: Path) -> None:
         assert up.wait(120) in (0, 130)
     finally:
         process.stop(up)
+    # The finished run reopens from the events `riptide up` saved as it stopped.
+    saved = summary(load_jsonl(run_dir / "events.jsonl"), DashboardConfig(), live=False)
+    assert saved["steps"] and saved["evals"] and saved["timeline"]["lanes"][0]["spans"]
+    opened = [row for row in saved["samples"] if row["has_detail"]]
+    assert opened, "no episode detail in the saved events"
