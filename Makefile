@@ -11,9 +11,10 @@ PYTEST_ARGS ?=
 
 RUNTIME_DEPS := redis-server:redis-server bwrap:bubblewrap git:git
 # podman and debootstrap: the compose stack's test builds its images and runs them in podman;
-# slurm-wlm and munge: the Slurm deployment's test runs a one-node cluster.
+# slurm-wlm and munge: the Slurm deployment's test runs a one-node cluster; chromium: the
+# dashboard's browser test drives it headless.
 TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose podman:podman debootstrap:debootstrap \
-	slurmctld:slurm-wlm munged:munge
+	slurmctld:slurm-wlm munged:munge chromium:chromium
 # `make image`: the Riptide image, built offline (scripts/build_image.sh; BASE_IMAGE etc.).
 IMAGE ?= riptide:latest
 

@@ -1,4 +1,5 @@
-"""The `riptide` command: serve one service, run the local stack, show a stack's state.
+"""The `riptide` command: serve one service, run the local stack, show a stack's state or
+its dashboard.
 
 Config is parsed and validated before any heavy module is imported, so `--help` and config
 errors are instant and the router never imports torch.
@@ -93,6 +94,21 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--max-context-tokens", type=int, default=2048,
                      help="context cap of the episodes the trajectories come from")
 
+    dash = sub.add_parser("dashboard", help="serve the run dashboard of a saved or running run "
+                                            "on a free port; prints its URL")
+    source = dash.add_mutually_exclusive_group()
+    source.add_argument("--events", type=Path, default=None,
+                        help="a JSONL export of the run's events streams")
+    source.add_argument("--redis", default=None, metavar="URL",
+                        help="read the run's events streams from this Redis")
+    dash.add_argument("--run", default=None, help="run name (with --redis; default: the "
+                                                  "config's, else local)")
+    dash.add_argument("--config", type=Path, default=None,
+                      help="deployment TOML: its [rollout.dashboard] thresholds, and its Redis "
+                           "and run name when neither --events nor --redis is given")
+    dash.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    dash.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
+
     events = sub.add_parser("events", help="the run's events streams (dashboard data)")
     events_sub = events.add_subparsers(dest="events_command", required=True)
     export = events_sub.add_parser("export", help="save a run's events and episode details "
@@ -173,6 +189,34 @@ def _status(args: argparse.Namespace) -> int:
     report = status_report.collect(load_config(args.config, list(args.set)))
     print(json.dumps(report, indent=2) if args.json else status_report.render(report))
     return 0 if all(s.get("state") not in ("unreachable", "error") for s in report.values()) else 1
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from services.common.errors import ConfigError
+    from services.rollout.dashboard.config import DashboardConfig
+    from services.rollout.dashboard.source import EventSource, FileSource, RedisSource
+    from services.rollout.dashboard.standalone import serve_dashboard
+
+    deployment = None
+    if args.config is not None:
+        from services.deployment import load_config
+
+        deployment = load_config(args.config)
+    config = deployment.rollout.dashboard if deployment is not None else DashboardConfig()
+    source: EventSource
+    if args.events is not None:
+        source = FileSource(args.events, config.max_events)  # a bad file fails here, at once
+    elif args.redis is not None:
+        run = args.run or (deployment.run.name if deployment is not None else "local")
+        source = RedisSource(args.redis, run, config.max_events)
+    elif deployment is not None:
+        source = RedisSource(deployment.redis.url, args.run or deployment.run.name,
+                             config.max_events)
+    else:
+        raise ConfigError("riptide dashboard needs --events FILE, --redis URL or --config FILE")
+    asyncio.run(serve_dashboard(source, config, args.host, args.port,
+                                say=lambda line: print(line, flush=True)))
+    return 0
 
 
 def _events(args: argparse.Namespace) -> int:
@@ -321,7 +365,7 @@ def _eval_model(args: argparse.Namespace) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"serve": _serve, "up": _up, "status": _status, "model": _model,
-                "eval": _eval, "sft": _sft, "events": _events}
+                "eval": _eval, "sft": _sft, "events": _events, "dashboard": _dashboard}
     try:
         return handlers[args.command](args)
     except RiptideError as exc:

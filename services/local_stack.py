@@ -35,6 +35,7 @@ from services.common.ports import free_ports
 from services.common.progress import StepProgress
 from services.common.supervision import GaveUp, Supervisor
 from services.deployment import load_config, validate_config
+from services.rollout.dashboard.config import dashboard_url
 
 #: The services of the stack. They are started together; the order is only that of the logs.
 SERVICE_ORDER = ("router", "sandbox", "trainer", "rollout")
@@ -311,6 +312,10 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         stack.start()
         print("[up] all services ready; `riptide status --config "
               f"{config_path}` shows their state; Ctrl-C stops the stack", flush=True)
+        rollout = stack.config.rollout
+        if rollout.dashboard.enabled:
+            url = dashboard_url(rollout.host, rollout.admin_port, stack.config.run.admin_token)
+            print(f"[up] dashboard {url}", flush=True)
         target = None if steps is None else resumed_step + steps
         if target is not None and resumed_step:
             print(f"[up] --steps {steps}: training until step {target}", flush=True)

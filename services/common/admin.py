@@ -1,7 +1,8 @@
 """The admin REST app every service serves: health, readiness, metrics, state and tuning.
 
-Every route under /admin/ sits behind the bearer token, checked (with the body size cap and
-strict JSON) by AdminGuard before anything else runs (services/common/admin_guard.py).
+Every route under /admin/ (and a page's API, /dashboard/api/) sits behind the bearer token,
+checked (with the body size cap and strict JSON) by AdminGuard before anything else runs
+(services/common/admin_guard.py).
 Every error, whatever raised it, is answered in one envelope: {"error": {"type", "message"}}.
 """
 
@@ -88,4 +89,7 @@ def build_admin_app(runtime: ServiceRuntime, admin_token: str,
     extra = runtime.admin_routes()
     if extra is not None:
         app.include_router(extra, prefix="/admin")
+    pages = runtime.page_routes()
+    if pages is not None:
+        app.include_router(pages)
     return AdminGuard(app, admin_token, max_body_bytes)

@@ -1,10 +1,11 @@
 """What the admin REST app checks before a route runs: the token, the body's size and JSON.
 
 A pure ASGI middleware in front of the app (services/common/admin.py), so it acts on the
-headers alone: a request under /admin/ without the bearer token is refused with 401 before
-one byte of its body is read, and no body grows past `max_body_bytes` in memory (413, from
-Content-Length when sent, else while reading). A JSON body must parse strictly: no NaN or
-Infinity, nesting bounded. Every refusal uses the project's error envelope.
+headers alone: a request under /admin/ (or /dashboard/api/) without the bearer token is
+refused with 401 before one byte of its body is read, and no body grows past
+`max_body_bytes` in memory (413, from Content-Length when sent, else while reading). A JSON
+body must parse strictly: no NaN or Infinity, nesting bounded. Every refusal uses the
+project's error envelope.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MAX_JSON_DEPTH = 32
-_GUARDED_PREFIX = "/admin"
+#: Paths that need the token: the admin routes and the dashboard's data (its page is open).
+GUARDED_PREFIXES = ("/admin", "/dashboard/api")
 
 
 def error_body(kind: str, message: str) -> dict[str, Any]:
@@ -107,7 +109,7 @@ class AdminGuard:
     async def _checked_body(self, scope: Scope, receive: Receive) -> bytes:
         headers = dict(scope["headers"])
         path = scope["path"]
-        if path == _GUARDED_PREFIX or path.startswith(_GUARDED_PREFIX + "/"):
+        if any(path == p or path.startswith(p + "/") for p in GUARDED_PREFIXES):
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 raise Unauthenticated("missing or wrong bearer token for /admin/")
         length = headers.get(b"content-length", b"0")

@@ -25,7 +25,8 @@ from services.common.service import ServiceRuntime
 log = logging.getLogger(__name__)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A non-blocking listening socket for an HTTP server (port 0: a free one)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -53,7 +54,7 @@ async def serve(runtime: ServiceRuntime, section: ServiceConfig, run: Any,
 
     runtime.bind_exit(exit_requested)
 
-    admin_socket = _bind(section.listen_host, section.admin_port)
+    admin_socket = listen_socket(section.listen_host, section.admin_port)
     admin_port = admin_socket.getsockname()[1]
     grpc_server = GrpcServer(runtime.name, token=run.grpc_token)
     runtime.add_to_grpc(grpc_server.server)

@@ -125,6 +125,11 @@ class ServiceRuntime:
         """Extra routes mounted under /admin/ (behind the token)."""
         return None
 
+    def page_routes(self) -> APIRouter | None:
+        """Extra routes mounted at the root, for pages such as /dashboard: the guard asks
+        for the token on their /<page>/api/ paths (admin_guard.GUARDED_PREFIXES) only."""
+        return None
+
 
 
 def status_message(runtime: ServiceRuntime) -> Any:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig, StrictModel
+from services.rollout.dashboard.config import DashboardConfig
 
 Granularity = Literal["sample", "group"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -167,6 +168,8 @@ class RolloutConfig(ServiceConfig):
         "no trainer)")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation "
                                                                      "(train and score modes)")
+    dashboard: DashboardConfig = Field(
+        default_factory=DashboardConfig, description="the run dashboard at /dashboard")
 
     @model_validator(mode="after")
     def _score_mode(self) -> RolloutConfig:

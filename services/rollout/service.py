@@ -20,6 +20,7 @@ import secrets
 from typing import Any
 
 import grpc
+from fastapi import APIRouter
 
 from services.common.config import EventsConfig, RedisConfig
 from services.common.engine_client import EngineClient
@@ -75,6 +76,7 @@ class RolloutRuntime(ServiceRuntime):
         self._sandbox_channel: grpc.aio.Channel | None = None
         self._background: list[asyncio.Task[None]] = []
         self._stores: set[asyncio.Task[None]] = set()
+        self._dashboard_source: Any = None
 
     def add_to_grpc(self, server: grpc.aio.Server) -> None:
         from services._proto.riptide.v1 import rollout_pb2_grpc
@@ -238,6 +240,8 @@ class RolloutRuntime(ServiceRuntime):
         await self.engines.aclose()
         if self.buffer is not None:
             await self.buffer.aclose()
+        if self._dashboard_source is not None:
+            await self._dashboard_source.aclose()
         for channel in (self._sandbox_channel, self._router_channel):
             if channel is not None:
                 await channel.close()
@@ -272,6 +276,17 @@ class RolloutRuntime(ServiceRuntime):
     def on_config_changed(self, keys: list[str]) -> None:
         if self.scheduler is not None:
             self.scheduler.config_changed()
+
+    def page_routes(self) -> APIRouter | None:
+        """The run dashboard (/dashboard), reading the run's events streams in Redis."""
+        if not self.config.dashboard.enabled:
+            return None
+        from services.rollout.dashboard.routes import dashboard_router
+        from services.rollout.dashboard.source import RedisSource
+
+        source = RedisSource(self._redis.url, self._run_name, self.config.dashboard.max_events)
+        self._dashboard_source = source
+        return dashboard_router(source, self.config.dashboard)
 
     def snapshot(self) -> dict[str, Any]:
         recent = [u for u in self.coordinator.history if "duration_s" in u]
