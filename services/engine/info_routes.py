@@ -80,8 +80,11 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
             "sglang_contract": CONTRACT_VERSION[cfg.contract],
         }
 
+    # Loads are read from the request thread, not queued for the loop thread between steps:
+    # they are counters (a step may be a moment ahead of them), and the fleet takes a load
+    # that waits behind a long CPU step for a missed health check of a hung engine.
     async def old_load() -> list[dict[str, Any]]:
-        return await engine.run(lambda: [s.load() for s in engine.schedulers])
+        return [s.load() for s in engine.schedulers]
 
     async def loads() -> dict[str, Any]:
         def read() -> list[dict[str, Any]]:
@@ -90,7 +93,7 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
                      "num_waiting_reqs": len(s.waiting), "num_used_tokens": s.num_used_tokens,
                      "max_total_num_tokens": capacity,
                      "token_usage": s.num_used_tokens / capacity} for s in engine.schedulers]
-        return {"timestamp": time.time(), "version": VERSION, "loads": await engine.run(read)}
+        return {"timestamp": time.time(), "version": VERSION, "loads": read()}
 
     if current:
         get("/model_info", "/get_model_info")(model_info)
