@@ -155,9 +155,7 @@ def main() -> None:
     try:
         stack.start(ready_timeout_s=900)
         while len(rewards) < args.steps and time.monotonic() < deadline:
-            dead = stack.dead_child()
-            if dead is not None:
-                raise SystemExit(f"{dead} died:\n{stack.log_tail(dead)}")
+            stack.check_children()  # restarts a dead service; raises when one keeps dying
             trainer = _details(config, "trainer")
             last = trainer.get("last_step") or {}
             if "step" in last and "reward_mean" in last:
