@@ -1,10 +1,15 @@
-"""Throughput of the built-in engine vs plain transformers, tiny model on CPU.
+"""Throughput of the built-in engine vs plain transformers on CPU.
 
 Generated tokens per second of the built-in engine (a real subprocess, HTTP /generate) at
-concurrency 1, 8 and 32, and of transformers `generate` serving the same requests one at a
-time in this process. Prints the figures as JSON on its last line.
+each concurrency, and of transformers `generate` in this process on the same kind of
+requests: one at a time, and as one static batch of the largest concurrency (what a user
+would write instead). The tiny random model by default; `--model` takes a Hugging Face
+folder (e.g. the cached SmolLM2), with the dtype and threads the learning run uses.
+Prints the figures as JSON on its last line.
 
     python bench/engine.py [--max-new-tokens 64] [--requests-per-client 2]
+    python bench/engine.py --model ~/.cache/riptide/models/smollm2-135m --dtype bfloat16 \
+        --threads 2 --prompt-len 800 --concurrency 1 8 16
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ from services.common.tiny_model import create_tiny_model  # noqa: E402
 from services.testing.engine_process import EngineProcess  # noqa: E402
 
 
-def make_prompts(count: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (24,), generator=gen).tolist() for _ in range(count)]
+    return [torch.randint(0, 256, (length,), generator=gen).tolist() for _ in range(count)]
 
 
 async def run_clients(url: str, prompts: list[list[int]], concurrency: int, new: int) -> float:
@@ -57,16 +62,13 @@ async def run_clients(url: str, prompts: list[list[int]], concurrency: int, new:
         return generated / (time.perf_counter() - start)
 
 
-def transformers_sequential(model_path: Path, prompts: list[list[int]], new: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)  # the engine's default too: best for a tiny model on a busy CPU
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+def transformers_rate(model: torch.nn.Module, batches: list[list[list[int]]], new: int) -> float:
+    """Generated tokens per second of `generate` over `batches` (equal-length prompts each)."""
     generated = 0
     start = time.perf_counter()
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
+    for batch in batches:
+        ids = torch.tensor(batch)
+        out = model.generate(  # type: ignore[operator]
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=True,
@@ -74,29 +76,66 @@ def transformers_sequential(model_path: Path, prompts: list[list[int]], new: int
             eos_token_id=[],
             pad_token_id=0,
         )
-        generated += out.shape[1] - len(prompt)
+        generated += (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return generated / (time.perf_counter() - start)
+
+
+def transformers_baselines(
+    model_path: Path, args: argparse.Namespace, largest: int
+) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=getattr(torch, args.dtype)
+    ).eval()
+    one_at_a_time = make_prompts(min(8, largest), args.prompt_len, seed=1)
+    batched = make_prompts(largest * args.requests_per_client, args.prompt_len, seed=2)
+    groups = [batched[i : i + largest] for i in range(0, len(batched), largest)]
+    new = args.max_new_tokens
+    with torch.inference_mode():
+        sequential = transformers_rate(model, [[p] for p in one_at_a_time], new)
+        batched = transformers_rate(model, groups, new)
+    return {"sequential": round(sequential, 1), f"batched_c{largest}": round(batched, 1)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--model", type=Path, help="a Hugging Face folder (default: tiny model)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=24)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     args = parser.parse_args()
     new = args.max_new_tokens
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = create_tiny_model(Path(tmp) / "tiny")
+        model_path = args.model or create_tiny_model(Path(tmp) / "tiny")
+        engine_args = ["--dtype", args.dtype, "--num-threads", str(args.threads),
+                       "--max-running-requests", str(max(args.concurrency))]
         builtin = {}
-        with EngineProcess(model_path) as engine:
-            asyncio.run(run_clients(engine.url, make_prompts(4, seed=99), 4, 8))  # warm up
-            for concurrency in (1, 8, 32):
-                prompts = make_prompts(concurrency * args.requests_per_client, seed=concurrency)
+        with EngineProcess(model_path, extra_args=engine_args) as engine:
+            warm = make_prompts(4, args.prompt_len, seed=99)
+            asyncio.run(run_clients(engine.url, warm, 4, 8))
+            for concurrency in args.concurrency:
+                count = concurrency * args.requests_per_client
+                prompts = make_prompts(count, args.prompt_len, seed=concurrency)
                 rate = asyncio.run(run_clients(engine.url, prompts, concurrency, new))
                 builtin[f"c{concurrency}"] = round(rate, 1)
                 print(f"builtin c{concurrency}: {rate:.1f} tokens/s", flush=True)
-        baseline = transformers_sequential(model_path, make_prompts(8, seed=1), new)
-        print(f"transformers sequential: {baseline:.1f} tokens/s", flush=True)
-    print(json.dumps({"builtin": builtin, "transformers_sequential": round(baseline, 1)}))
+        baselines = transformers_baselines(model_path, args, max(args.concurrency))
+        print(f"transformers: {baselines}", flush=True)
+    result = {
+        "model": str(args.model or "tiny"),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "prompt_len": args.prompt_len,
+        "max_new_tokens": new,
+        "builtin": builtin,
+        "transformers": baselines,
+    }
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Row i's tokens are the last `lengths[i]` columns; the attention mask hides the padding and
 position ids come from the lengths, so rows of any length decode together in one forward.
-Rows join (after their own prefill) and leave between steps.
+Rows join (after their own prefill) and leave between steps. Decode appends into spare
+capacity in place (`kv_storage`); joining or leaving rows copies the batch once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from services.engine.kv_storage import growing_cache
 from services.engine.radix_cache import LayerKV
 
 
@@ -85,7 +87,7 @@ class BatchKV:
         self._reset(kept)
 
     def _reset(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.cache = DynamicCache(ddp_cache_data=layers)
+        self.cache = growing_cache(layers)
         width = layers[0][0].shape[2]
         device = layers[0][0].device
         columns = torch.arange(width, device=device)[None, :]
