@@ -33,18 +33,20 @@ class GrowingLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._write(key_states, value_states)
-        return self.keys, self.values
+        return self._write(key_states, value_states)
 
-    def _write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _write(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self._length, self._length + keys.shape[2]
         if self._key_store.dim() != 4 or end > self._key_store.shape[2]:
             self._grow(keys, end + self.spare)
         self._key_store[:, :, start:end] = keys
         self._value_store[:, :, start:end] = values
         self._length = end
-        self.keys = self._key_store[:, :, :end]
-        self.values = self._value_store[:, :, :end]
+        filled_keys, filled_values = self._key_store[:, :, :end], self._value_store[:, :, :end]
+        self.keys, self.values = filled_keys, filled_values
+        return filled_keys, filled_values
 
     def _grow(self, like: torch.Tensor, capacity: int) -> None:
         batch, heads, _, dim = like.shape
