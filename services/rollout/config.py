@@ -31,6 +31,10 @@ class SchedulerConfig(StrictModel):
     drop_zero_variance_groups: bool = Field(
         True, description="drop (and count) groups whose samples all have the same reward: "
         "their advantages are 0, so training on them costs a step and teaches nothing")
+    zero_variance_cooldown_passes: int = Field(
+        0, ge=0, le=1000,
+        description="passes over the task set that a task sits out after a group of it came "
+        "out with zero reward variance (0: never); spends generation on tasks that teach")
     max_queued_groups: int = Field(
         16, ge=1, le=1_000_000,
         description="finished groups waiting for the buffer before admission stops")

@@ -150,6 +150,7 @@ class Scheduler:
             "weight_version": self._gate.version,
             "staleness_budget": self._gate.budget(),
             "consecutive_failures": self.consecutive_failures,
+            "cooling_tasks": self._tasks.cooling,
             "config": self.config.model_dump(),
             **self.stats.as_dict(now),
             **({"eval": self.evaluation.summary()} if self.evaluation is not None else {}),
@@ -313,6 +314,9 @@ class Scheduler:
         versions = set().union(*(generated_versions(t) for t in samples))
         min_version = min(versions) if versions else min(group.start_versions)
         reason = self._drop_reason(samples, min_version)
+        if all(t.status == common_pb2.VERDICT_STATUS_SCORED for t in samples):
+            self._tasks.record_group(group.task_id, len({t.reward for t in samples}) == 1,
+                                     self.config.zero_variance_cooldown_passes)
         if reason is not None:
             self.stats.dropped_groups[reason] += 1
             self.events.group_dropped(group.group_id, reason, self._gate.version, group.size)

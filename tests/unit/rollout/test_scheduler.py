@@ -413,3 +413,27 @@ def test_default_group_ids_of_two_schedulers_never_collide() -> None:
     prefixes = {Scheduler(cfg, TaskCycle(["a"]), ScriptedRunner(), MemorySink())._prefix
                 for _ in range(200)}
     assert len(prefixes) == 200 and all(len(p.split("-")[-1]) == 32 for p in prefixes)
+
+
+def test_zero_variance_tasks_cool_down_so_generation_goes_to_tasks_that_teach() -> None:
+    """Task "a" is always solved: with a cooldown of 3 passes it runs in about one pass of
+    four, without one in every pass."""
+
+    async def run(cooldown: int) -> tuple[int, int, list[str]]:
+        runner = ScriptedRunner(
+            reward=lambda r: 1.0 if r.task_id == "a" else float(r.sample_index % 2))
+        sched, sink = make(runner, max_concurrent_samples=4, drop_zero_variance_groups=True,
+                           zero_variance_cooldown_passes=cooldown)
+        await sched.start()
+        await asyncio.sleep(12.5)  # twelve groups of 4, one after another
+        await sched.stop()
+        return sched.stats.dropped_groups["zero_variance"], len(sink.groups), \
+            sched.state()["cooling_tasks"]
+
+    async def main() -> None:
+        dropped, written, cooling = await run(cooldown=3)
+        assert dropped <= 2 and written >= 10 and cooling in ([], ["a"])
+        dropped, written, cooling = await run(cooldown=0)
+        assert dropped >= 4 and written <= 9 and cooling == []
+
+    run_virtual(main())
