@@ -28,6 +28,7 @@ from services.common.errors import ConfigError
 from services.common.events import EventPublisher
 from services.common.service import ServiceRuntime, status_message
 from services.trainer.config import TrainerConfig
+from services.trainer.eval_follower import EvalFollower
 from services.trainer.stats import TrainerStats
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class TrainerRuntime(ServiceRuntime):
         self.grpc_token = grpc_token
         self.events = EventPublisher(redis.url, run_name, "trainer", events or EventsConfig())
         self.stats = TrainerStats()
+        self.eval_follower = EvalFollower(redis.url, run_name, self.stats)
         self.loop: Any = None
         self.error: str | None = None
         self._stop = threading.Event()
@@ -71,6 +73,7 @@ class TrainerRuntime(ServiceRuntime):
         trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(), server)
 
     async def start(self) -> None:
+        self.eval_follower.start()
         self._thread = threading.Thread(target=self._main, name="trainer-loop", daemon=True)
         self._thread.start()
 
@@ -188,6 +191,7 @@ class TrainerRuntime(ServiceRuntime):
         self._stop.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.eval_follower.stop)
 
     async def pause(self) -> None:
         await super().pause()

@@ -63,6 +63,13 @@ class TrainerStats:
         self.sync_failures = 0          # failed weight-sync tries, whole run
         self.last_sync_error: str | None = None
         self.dropped_groups: dict[str, int] = {}  # groups read but not trained, by reason
+        self.eval_success: dict[int, float] = {}  # held-out success by weight version
+        self._eval_gauges = {
+            "success": gauge("riptide_trainer_eval_success",
+                             "held-out success of the latest evaluated weight version"),
+            "weight_version": gauge("riptide_trainer_eval_weight_version",
+                                    "the latest weight version with a held-out evaluation"),
+        }
         self._gauges = {k: gauge(f"riptide_trainer_{k}", doc) for k, doc in _GAUGES.items()}
         self._steps = counter("riptide_trainer_steps", "optimizer steps taken")
         self._tokens = counter("riptide_trainer_tokens", "tokens trained")
@@ -86,6 +93,17 @@ class TrainerStats:
             self.last_sync_error = None
             if self.phase == "degraded":
                 self.phase = "syncing"
+
+    def record_eval(self, weight_version: int, success: float) -> bool:
+        """A held-out evaluation's result; False if that version's was already recorded."""
+        with self._lock:
+            if weight_version in self.eval_success:
+                return False
+            self.eval_success[weight_version] = success
+            latest = max(self.eval_success)
+        self._eval_gauges["success"].set(self.eval_success[latest])
+        self._eval_gauges["weight_version"].set(latest)
+        return True
 
     def group_dropped(self, reason: str) -> None:
         with self._lock:
@@ -133,6 +151,8 @@ class TrainerStats:
                 "sync_failures": self.sync_failures,
                 "last_sync_error": self.last_sync_error,
                 "dropped_groups": dict(self.dropped_groups),
+                "eval_success_by_weight_version": {
+                    str(v): s for v, s in sorted(self.eval_success.items())},
                 "last_step": None,
             }
             if rec is not None:

@@ -1,0 +1,71 @@
+"""Held-out evaluation results in the trainer's metrics.
+
+The rollout service evaluates the held-out tasks at chosen weight versions while training
+goes on and publishes each result as a `rollout.eval` event (services/common/events.py). This
+follower reads those events from the run's events stream every few seconds and records them
+in the trainer's stats: `/admin/state` shows success by weight version, `/metrics` the latest
+result, and the trainer's log a line per result. Events are best effort, so a result the
+stream lost is missing here too; samples never depend on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from services.common.events import read_events
+from services.trainer.stats import TrainerStats
+
+log = logging.getLogger(__name__)
+
+
+class EvalFollower:
+    """Follows one run's `rollout.eval` events into `stats`."""
+
+    def __init__(self, redis_url: str, run: str, stats: TrainerStats,
+                 interval_s: float = 5.0) -> None:
+        self._client = redis.Redis.from_url(redis_url, socket_timeout=5)
+        self._run = run
+        self._stats = stats
+        self._interval_s = interval_s
+        self._since = "0-0"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll_once(self) -> int:
+        """Read the events since the last poll; returns how many eval results were new."""
+        new = 0
+        while True:
+            events = read_events(self._client, self._run, self._since, count=1000)
+            if not events:
+                return new
+            self._since = events[-1][0]
+            for _, event in events:
+                success = event.attrs.get("mean_success")
+                if event.kind != "rollout.eval" or event.weight_version is None \
+                        or not isinstance(success, int | float):
+                    continue
+                if self._stats.record_eval(event.weight_version, float(success)):
+                    new += 1
+                    log.info("held-out eval at weight version %d: success %.3f",
+                             event.weight_version, success)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run_loop, name="eval-follower",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._client.close()
+
+    def _run_loop(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.poll_once()
+            except redis.RedisError as exc:  # Redis restarting: try again next time
+                log.debug("reading eval events failed: %s", exc)
