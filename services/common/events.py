@@ -288,6 +288,19 @@ def read_episodes(client: redis.Redis, run: str, since_id: str = "0-0",
     return out
 
 
+def _pages(client: redis.Redis, key: str, chunk: int) -> Iterator[list[Any]]:
+    since = "0-0"
+    while entries := _range(client, key, since, chunk):
+        since = _decode(entries[-1][0])
+        yield entries
+
+
+def iter_events(client: redis.Redis, run: str, chunk: int = 5000) -> Iterator[Event]:
+    """Every event of the run, oldest first, read `chunk` entries at a time."""
+    for entries in _pages(client, events_key(run), chunk):
+        yield from (event for _, event in parse_events(entries))
+
+
 def export_events(client: redis.Redis, run: str, out: str | Path,
                   chunk: int = 5000) -> tuple[int, int]:
     """Write the run's events and episode details to a JSONL file, oldest first: lines
@@ -295,9 +308,7 @@ def export_events(client: redis.Redis, run: str, out: str | Path,
     counts = {"event": 0, "episode": 0}
     with Path(out).open("w") as sink:
         for name, key in (("event", events_key(run)), ("episode", episodes_key(run))):
-            since = "0-0"
-            while entries := _range(client, key, since, chunk):
-                since = _decode(entries[-1][0])
+            for entries in _pages(client, key, chunk):
                 items = (parse_events(entries) if name == "event" else
                          [(_decode(i), v) for i, f in entries
                           if (v := _episode(i, f)) is not None])
