@@ -86,7 +86,8 @@ class WandbSink:
 
     @property
     def run_dir(self) -> str:
-        return str(self._run.dir)
+        """The run's folder (`wandb sync` takes it); wandb's `run.dir` is its files/ inside."""
+        return str(Path(self._run.dir).parent)
 
     def write(self, scalars: list[Scalar]) -> None:
         rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)

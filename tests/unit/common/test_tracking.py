@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,8 @@ def _wandb_records(path: Path) -> list[Any]:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # full, last
@@ -107,6 +110,12 @@ def test_wandb_offline_run_holds_the_logged_history(saved_run: Path, tmp_path: P
     exporter.close()
     files = list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
+    # wandb-core, its own process, may still be writing when finish() returns: its last
+    # record is the run's `exit`.
+    deadline = time.monotonic() + 10.0
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(files[0])):
+        assert time.monotonic() < deadline, "the offline run has no exit record after 10 s"
+        time.sleep(0.05)
     history = []
     for record in _wandb_records(files[0]):
         if record.WhichOneof("record_type") == "history":
