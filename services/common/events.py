@@ -76,6 +76,13 @@ KINDS: dict[str, str] = {
     "sandbox.create": "span of a sandbox creation (id the sample id): task_id, sandbox, "
                       "error (type, when it failed)",
     "sandbox.delete": "span of a sandbox deletion (id the sandbox id): sandbox, task_id, ok",
+    "sandbox.live": "instant, when a sandbox service's live sandboxes changed (checked every "
+                    "sandbox.live_snapshot_interval_s) and at least every "
+                    "live_snapshot_heartbeat_s (id the service instance, host:pid): instance, "
+                    "heartbeat_s, sandboxes (oldest first: {sandbox (empty while creating), "
+                    "task_id, provider, sample_id, group_id (empty once the episode is gone), "
+                    "turns, state (creating, running, verifying, deleting), age_s (since the "
+                    "sandbox was created; since its create began while creating)})",
     "sandbox.verify": "span of the verifier (id the sample id): task_id, passed (reward >= 1), "
                       "scored, reward, exit_code (of tests/test.sh; null when it timed out)",
 }

@@ -99,12 +99,21 @@ def test_up_without_redis_says_how_to_install_it(tmp_path: Path) -> None:
 
 
 def test_up_with_steps_trains_syncs_and_summarizes(tmp_path: Path) -> None:
-    """The demo path: episodes flow, the trainer steps and syncs weights, then all stops."""
+    """The demo path: episodes flow, the trainer steps and syncs weights, then all stops;
+    with `[run.tracking]`, its metrics are exported live to TensorBoard as it goes."""
     import json
 
+    from services.common.config import dump_config
+    from services.local_stack import ensure_tiny_model, local_config
+
+    run_dir, tensorboard_dir = tmp_path / "stack", tmp_path / "tb"
+    ensure_tiny_model(run_dir)
+    config_path = tmp_path / "tracked.toml"
+    config_path.write_text(dump_config(local_config(
+        run_dir, {"run": {"tracking": {"tensorboard_dir": str(tensorboard_dir)}}})))
     log = tmp_path / "up.log"
-    up = process.spawn([sys.executable, "-m", "services.cli", "up", "--dir",
-                        str(tmp_path / "stack"), "--steps", "2"], log_path=log)
+    up = process.spawn([sys.executable, "-m", "services.cli", "up", "--dir", str(run_dir),
+                        "--config", str(config_path), "--steps", "2"], log_path=log)
     try:
         _wait_for_line(log, "all services ready", up, timeout_s=240)
         children = descendants(up.pid)
@@ -121,13 +130,25 @@ def test_up_with_steps_trains_syncs_and_summarizes(tmp_path: Path) -> None:
     assert summary["prefix_cache_hit_rate"] > 0.5
     time.sleep(0.5)
     assert alive(children) == set(), "processes left behind after the run ended"
-    _check_progress_and_events(log.read_text(), tmp_path / "stack" / "events.jsonl")
+    _check_progress_and_events(log.read_text(), run_dir / "events.jsonl")
+    _check_tensorboard(tensorboard_dir)
+
+
+def _check_tensorboard(logdir: Path) -> None:
+    pytest.importorskip("tensorboard", reason="the tracking extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(logdir))
+    accumulator.Reload()
+    assert [p.step for p in accumulator.Scalars("train/loss")] == [1, 2]
+    assert {"train/reward_mean", "train/tokens_per_s",
+            "rollout/cache_hit_rate"} <= set(accumulator.Tags()["scalars"])
 
 
 #: What a two-step local run publishes (dropped groups and evaluations: unit tests).
 RUN_KINDS = {"trainer.step", "trainer.wait_data", "trainer.checkpoint", "trainer.weight_sync",
              "trainer.weight_sync.bucket", "rollout.engine_pause", "rollout.episode",
-             "rollout.load", "sandbox.create", "sandbox.delete", "sandbox.verify"}
+             "rollout.load", "sandbox.create", "sandbox.delete", "sandbox.verify", "sandbox.live"}
 
 
 def _check_progress_and_events(text: str, saved: Path) -> None:

@@ -108,7 +108,8 @@
       [r => r.healthy ? "healthy" : "unhealthy", "health"], ["weight_version", "weights"],
       ["circuit", "circuit"]], s.engines));
     mark("sandboxes", table($("sandboxes"), [["sandbox", "sandbox"], ["task_id", "task"],
-      ["sample_id", "sample"], ["age_s", "age (s)"]], s.sandboxes));
+      ["provider", "provider"], ["sample_id", "sample"], ["state", "state"],
+      ["turns", "turns"], ["age_s", "age (s)"]], s.sandboxes));
     mark("samples", table($("samples"), [["sample_id", "sample"], ["task_id", "task"],
       ["reward", "reward"], ["verdict", "verdict"], ["turns", "turns"],
       ["response_tokens", "resp. tokens"], ["engine", "engine"], ["dp_rank", "dp"],

@@ -90,6 +90,26 @@ def test_engines_table_and_live_sandboxes(record: RunRecord, run: SyntheticRun) 
     assert all(s["age_s"] >= 0 for s in live)
 
 
+def test_live_sandboxes_come_from_the_newest_snapshot_of_each_reporting_service(
+        tmp_path: Path) -> None:
+    run = SyntheticRun(live_snapshots=True)
+    record = load_jsonl(write_jsonl(run.generate(), tmp_path / "run.jsonl"))
+    live = load.live_sandboxes(record)
+    assert {s["sandbox"] for s in live} == {
+        e.attrs["sandbox"] for e in record.of_kind("sandbox.create")} - {
+        e.attrs["sandbox"] for e in record.of_kind("sandbox.delete")}  # not "sbx-gone"
+    assert all(s["state"] == "running" and s["provider"] == "local" and s["turns"] == 2
+               for s in live)
+    assert [s["age_s"] for s in live] == sorted((s["age_s"] for s in live), reverse=True)
+    record.add_event({"kind": "rollout.load", "service": "rollout", "start": record.now + 4,
+                      "attrs": {}})
+    assert [s["age_s"] for s in load.live_sandboxes(record)] == pytest.approx(
+        [s["age_s"] + 4 for s in live])  # ages run on with the record's clock
+    record.add_event({"kind": "rollout.load", "service": "rollout", "start": record.now + 60,
+                      "attrs": {}})
+    assert load.live_sandboxes(record) == []  # the service stopped reporting
+
+
 def test_training_panels(record: RunRecord, run: SyntheticRun) -> None:
     rows = training.steps(record)
     assert [r["step"] for r in rows] == list(range(1, run.num_steps + 1))

@@ -19,7 +19,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    path = write_jsonl(SyntheticRun(no_verdict_fraction=0.3).generate(),
+    path = write_jsonl(SyntheticRun(no_verdict_fraction=0.3, live_snapshots=True).generate(),
                        tmp_path_factory.mktemp("events") / "run.jsonl")
     runtime = DashboardRuntime(FileSource(path), DashboardConfig())
     with TestClient(build_admin_app(runtime, TOKEN)) as test_client:
@@ -49,6 +49,7 @@ def test_summary_has_every_panel_and_the_advisories(client: TestClient) -> None:
                   "engines", "sandboxes", "samples"):
         assert body[panel], panel
     assert body["dropped"] == {}  # this run drops no group
+    assert {(s["state"], s["provider"]) for s in body["sandboxes"]} == {("running", "local")}
     assert [a["code"] for a in body["advisories"]] == ["no_verdict"]
 
 
