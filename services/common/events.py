@@ -45,7 +45,8 @@ KINDS: dict[str, str] = {
                     "sample: weight versions between its group's oldest token and the trained "
                     "version), idle_fraction (this cycle's wait for data over wait + step + "
                     "checkpoint + sync)",
-    "trainer.wait_data": "span the trainer waited for a batch: groups (how many it got)",
+    "trainer.wait_data": "span the trainer waited for a batch: groups (how many it got), "
+                         "warmup (the process's first wait, engines starting included)",
     "trainer.checkpoint": "span of a checkpoint save and its stream acks: step",
     "trainer.group_dropped": "instant: a group read but not trained: group_id, reason (stale)",
     "trainer.weight_sync": "span of a whole weight push, retries included; weight_version is "

@@ -80,6 +80,20 @@ def test_windowed_hit_rate_follows_a_change() -> None:
     assert panel["latest_cumulative"] == pytest.approx(0.9 * 150 / 200)
 
 
+@pytest.mark.parametrize("warmup", [True, False])
+def test_the_first_wait_while_engines_start_is_not_idle_time(
+        run: SyntheticRun, tmp_path: Path, warmup: bool) -> None:
+    record = load_jsonl(write_jsonl(run.generate(), tmp_path / "run.jsonl"))
+    first = min(e.start for e in record.of_kind("trainer.wait_data"))
+    record.add_event({"kind": "trainer.wait_data", "service": "trainer", "start": first - 600,
+                      "end": first, "attrs": {"groups": 0, "warmup": warmup}})
+    idle = timeline.trainer_idle_fraction(record)
+    if warmup:
+        assert idle == pytest.approx(run.trainer_idle_fraction, abs=1e-6)
+    else:  # the same wait, unmarked, would be ten minutes of idling
+        assert idle is not None and idle > run.trainer_idle_fraction + 0.3
+
+
 def test_engines_table_and_live_sandboxes(record: RunRecord, run: SyntheticRun) -> None:
     rows = load.engines_table(record)
     assert len(rows) == run.num_engines * run.dp_size

@@ -44,7 +44,7 @@ def test_the_api_needs_the_admin_token(client: TestClient, path: str) -> None:
 
 def test_summary_has_every_panel_and_the_advisories(client: TestClient) -> None:
     body = client.get("/dashboard/api/summary", headers=AUTH).json()
-    assert body["live"] is False
+    assert body["live"] is False and body["follows"] is False  # a saved run: no polling
     for panel in ("timeline", "concurrency", "cache", "steps", "staleness", "evals",
                   "engines", "sandboxes", "samples"):
         assert body[panel], panel
