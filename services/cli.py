@@ -263,12 +263,14 @@ def _export_metrics(args: argparse.Namespace) -> int:
     """`riptide events export --format tensorboard|wandb`: a finished run's metrics."""
     import redis
 
-    from services.common.errors import Unavailable
+    from services.common.errors import InvalidRequest, Unavailable
     from services.common.events import iter_events, load_events
     from services.common.tracking.exporter import MetricsExporter
     from services.common.tracking.sinks import ScalarSink, TensorBoardSink, WandbSink
 
     run = args.run or (args.events.stem if args.events is not None else "riptide")
+    if args.events is not None and not args.events.is_file():
+        raise InvalidRequest(f"cannot read the events export {args.events}: no such file")
     events = load_events(args.events) if args.events is not None else None  # bad file: now
     sink: ScalarSink = (TensorBoardSink(args.out) if args.format == "tensorboard" else
                         WandbSink(args.wandb_project, args.wandb_mode, args.out, run))

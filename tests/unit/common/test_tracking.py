@@ -98,6 +98,7 @@ def _wandb_records(path: Path) -> list[Any]:
     return records
 
 
+@pytest.mark.slow  # starts wandb-core, its own process: 2 s on an idle machine, more when busy
 def test_wandb_offline_run_holds_the_logged_history(saved_run: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb", reason="the tracking extra is not installed")
@@ -132,6 +133,18 @@ def test_wandb_offline_run_holds_the_logged_history(saved_run: Path, tmp_path: P
     evals = [row for row in history if "weight_version" in row]
     assert [(row["weight_version"], "eval/mean_success" in row) for row in evals] == [
         (4, True), (8, True)]
+
+
+def test_export_errors_are_precise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    export = ["events", "export", "--format", "tensorboard", "--out", str(tmp_path / "tb")]
+    assert main([*export, "--events", str(tmp_path / "absent.jsonl")]) == 2
+    assert "cannot read the events export" in capsys.readouterr().err
+    assert main([*export, "--redis", "redis://127.0.0.1:1/0"]) == 2
+    assert "--redis needs --run" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"entry_id": "1-0", "event": {"kind": "trainer.step"}}\n')
+    assert main([*export, "--events", str(bad)]) == 2
+    assert f"{bad}:1: not an event" in capsys.readouterr().err
 
 
 def test_a_missing_extra_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
