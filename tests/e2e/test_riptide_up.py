@@ -169,6 +169,10 @@ def _check_progress_and_events(text: str, saved: Path) -> list[int]:
     assert any(r["cached_tokens"] > 0 for e in loads for r in e.attrs["engines"])
     episode = next(e for e in events if e.kind == "rollout.episode")
     assert episode.attrs["engine"].startswith("http://") and episode.attrs["turns"] >= 1
+    snapshots = [e.attrs["sandboxes"] for e in events if e.kind == "sandbox.live"]
+    assert any(row["state"] == "running" and row["provider"] == "local" and row["sandbox"]
+               and row["sample_id"] and row["task_id"] for rows in snapshots for row in rows)
+    assert snapshots[-1] == []  # the sandbox service's last word: nothing left alive
     waits = [e.attrs["warmup"] for e in events if e.kind == "trainer.wait_data"]
     assert waits == [True] + [False] * (len(waits) - 1)  # engines start in the first wait
     step = next(e for e in events if e.kind == "trainer.step")

@@ -73,3 +73,14 @@ def test_snapshots_go_out_on_a_change_and_on_the_heartbeat() -> None:
     first = events.events[0]
     assert first["kind"] == "sandbox.live" and first["attrs"]["sandboxes"] == []
     assert first["attrs"]["instance"] == first["id"] and first["attrs"]["heartbeat_s"] == 0.3
+
+
+def test_the_heartbeat_may_not_be_shorter_than_the_interval() -> None:
+    import pytest
+
+    from services.sandbox.config import SandboxConfig
+
+    with pytest.raises(ValueError, match="make the heartbeat at least the interval"):
+        SandboxConfig(live_snapshot_interval_s=5.0, live_snapshot_heartbeat_s=2.0)
+    with pytest.raises(ValueError, match="greater than or equal to 0.1"):
+        SandboxConfig(live_snapshot_interval_s=0.01)
