@@ -80,7 +80,8 @@ KINDS: dict[str, str] = {
     "sandbox.live": "instant, when a sandbox service's live sandboxes changed (checked every "
                     "sandbox.live_snapshot_interval_s) and at least every "
                     "live_snapshot_heartbeat_s (id the service instance, host:pid): instance, "
-                    "heartbeat_s, sandboxes (oldest first: {sandbox (empty while creating), "
+                    "heartbeat_s, num_live, sandboxes (the oldest 500 of them, oldest first: "
+                    "{sandbox (empty while creating), "
                     "task_id, provider, sample_id, group_id (empty once the episode is gone), "
                     "turns, state (creating, running, verifying, deleting), age_s (since the "
                     "sandbox was created; since its create began while creating)})",

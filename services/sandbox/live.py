@@ -21,6 +21,9 @@ from services.common.events import EventPublisher
 from services.sandbox.provider import SandboxHandle
 
 State = Literal["creating", "running", "verifying", "deleting"]
+#: Rows one snapshot carries (the oldest); a service with more says how many in `num_live`,
+#: so thousands of concurrent episodes do not make each snapshot a megabyte.
+MAX_ROWS = 500
 
 
 @dataclass
@@ -98,7 +101,8 @@ def publish_snapshot(events: EventPublisher, live: LiveSandboxes,
     """Publish one `sandbox.live` snapshot now."""
     rows = live.snapshot(alive, time.time())
     events.publish("sandbox.live", id=instance_name(), attrs={
-        "instance": instance_name(), "heartbeat_s": heartbeat_s, "sandboxes": rows})
+        "instance": instance_name(), "heartbeat_s": heartbeat_s, "num_live": len(rows),
+        "sandboxes": rows[:MAX_ROWS]})
 
 
 async def publish_live(events: EventPublisher, live: LiveSandboxes,

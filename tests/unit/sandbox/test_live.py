@@ -73,6 +73,19 @@ def test_snapshots_go_out_on_a_change_and_on_the_heartbeat() -> None:
     first = events.events[0]
     assert first["kind"] == "sandbox.live" and first["attrs"]["sandboxes"] == []
     assert first["attrs"]["instance"] == first["id"] and first["attrs"]["heartbeat_s"] == 0.3
+    assert events.events[-1]["attrs"]["num_live"] == 1
+
+
+def test_a_snapshot_carries_the_oldest_rows_and_counts_them_all() -> None:
+    from services.sandbox import live as live_module
+
+    live, events = LiveSandboxes(), Recorder()
+    for index in range(live_module.MAX_ROWS + 5):
+        live.begin(f"s{index}", "g", "csv-revenue")
+    live_module.publish_snapshot(events, live, {}, 10.0)  # type: ignore[arg-type]
+    attrs = events.events[0]["attrs"]
+    assert attrs["num_live"] == live_module.MAX_ROWS + 5
+    assert len(attrs["sandboxes"]) == live_module.MAX_ROWS
 
 
 def test_the_heartbeat_may_not_be_shorter_than_the_interval() -> None:
