@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,daytona]"
+	$(PY) -m pip install --quiet -e ".[dev,daytona,tracking]"
 	touch $@
 
 setup: $(VENV)/.installed system-deps

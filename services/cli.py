@@ -111,11 +111,26 @@ def _parser() -> argparse.ArgumentParser:
 
     events = sub.add_parser("events", help="the run's events streams (dashboard data)")
     events_sub = events.add_subparsers(dest="events_command", required=True)
-    export = events_sub.add_parser("export", help="save a run's events and episode details "
-                                                  "to a JSONL file, to reopen it later")
-    export.add_argument("--redis", required=True, help="redis:// URL of the run's Redis")
-    export.add_argument("--run", required=True, help="the run name ([run] name)")
-    export.add_argument("--out", required=True, type=Path, help="JSONL file to write")
+    export = events_sub.add_parser(
+        "export", help="save a run's events and episode details to a JSONL file (to reopen it "
+                       "later), or its metrics as TensorBoard event files or a W&B run")
+    export.add_argument("--format", default="jsonl", choices=("jsonl", "tensorboard", "wandb"),
+                        help="jsonl: the events export; tensorboard, wandb: the metrics (the "
+                             "`tracking` extra)")
+    export_source = export.add_mutually_exclusive_group(required=True)
+    export_source.add_argument("--redis", default=None, metavar="URL",
+                               help="redis:// URL of the run's Redis")
+    export_source.add_argument("--events", type=Path, default=None,
+                               help="a saved JSONL export (--format tensorboard or wandb)")
+    export.add_argument("--run", default=None,
+                        help="the run name ([run] name); needed with --redis, and names the "
+                             "W&B run")
+    export.add_argument("--out", required=True, type=Path,
+                        help="JSONL file (jsonl), log folder (tensorboard) or W&B files' "
+                             "folder (wandb)")
+    export.add_argument("--wandb-project", default="riptide", help="W&B project (wandb)")
+    export.add_argument("--wandb-mode", default="offline", choices=("offline", "online"),
+                        help="offline writes the run's files only; `wandb sync` uploads them")
 
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
@@ -222,9 +237,16 @@ def _dashboard(args: argparse.Namespace) -> int:
 def _events(args: argparse.Namespace) -> int:
     import redis
 
-    from services.common.errors import Unavailable
+    from services.common.errors import ConfigError, Unavailable
     from services.common.events import export_events
 
+    if args.redis is not None and args.run is None:
+        raise ConfigError("riptide events export --redis needs --run (the [run] name)")
+    if args.format != "jsonl":
+        return _export_metrics(args)
+    if args.events is not None:
+        raise ConfigError("--events is a saved JSONL export already; it converts to "
+                          "--format tensorboard or wandb")
     client = redis.Redis.from_url(args.redis, socket_connect_timeout=5.0, socket_timeout=30.0)
     try:
         num_events, num_episodes = export_events(client, args.run, args.out)
@@ -235,6 +257,42 @@ def _events(args: argparse.Namespace) -> int:
     print(f"wrote {num_events} events and {num_episodes} episodes of run {args.run} "
           f"to {args.out}")
     return 0 if num_events or num_episodes else 1
+
+
+def _export_metrics(args: argparse.Namespace) -> int:
+    """`riptide events export --format tensorboard|wandb`: a finished run's metrics."""
+    import redis
+
+    from services.common.errors import InvalidRequest, Unavailable
+    from services.common.events import iter_events, load_events
+    from services.common.tracking.exporter import MetricsExporter
+    from services.common.tracking.sinks import ScalarSink, TensorBoardSink, WandbSink
+
+    run = args.run or (args.events.stem if args.events is not None else "riptide")
+    if args.events is not None and not args.events.is_file():
+        raise InvalidRequest(f"cannot read the events export {args.events}: no such file")
+    events = load_events(args.events) if args.events is not None else None  # bad file: now
+    sink: ScalarSink = (TensorBoardSink(args.out) if args.format == "tensorboard" else
+                        WandbSink(args.wandb_project, args.wandb_mode, args.out, run))
+    exporter = MetricsExporter([sink])
+    try:
+        if events is not None:
+            exporter.add_all(events)
+        else:
+            client = redis.Redis.from_url(args.redis, socket_connect_timeout=5.0,
+                                          socket_timeout=30.0)
+            try:
+                exporter.add_all(iter_events(client, args.run))
+            except redis.RedisError as exc:
+                raise Unavailable(f"cannot read the events of run {args.run!r} from Redis: "
+                                  f"{exc}") from None
+            finally:
+                client.close()
+    finally:
+        exporter.close()
+    where = sink.run_dir if isinstance(sink, WandbSink) else args.out
+    print(f"wrote {exporter.num_scalars} scalars of run {run} to {where} ({args.format})")
+    return 0 if exporter.num_scalars else 1
 
 
 def _model(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -36,6 +36,9 @@ from services.common.progress import StepProgress
 from services.common.supervision import GaveUp, Supervisor
 from services.deployment import load_config, validate_config
 from services.rollout.dashboard.config import dashboard_url
+
+if TYPE_CHECKING:
+    from services.common.tracking.exporter import MetricsExporter
 
 #: The services of the stack. They are started together; the order is only that of the logs.
 SERVICE_ORDER = ("router", "sandbox", "trainer", "rollout")
@@ -308,7 +311,8 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         resumed_step = _announce_run(stack)
         if stack.config.run.events.enabled:
             target = None if steps is None else resumed_step + steps
-            progress = StepProgress(stack.config.redis.url, stack.config.run.name, target)
+            progress = StepProgress(stack.config.redis.url, stack.config.run.name, target,
+                                    _exporter(stack))
         stack.start()
         print("[up] all services ready; `riptide status --config "
               f"{config_path}` shows their state; Ctrl-C stops the stack", flush=True)
@@ -328,6 +332,21 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         if progress is not None:
             progress.close()
         print("[up] stopped", flush=True)
+
+
+def _exporter(stack: LocalStack) -> MetricsExporter | None:
+    """The live metrics export of `[run.tracking]` (None when off); W&B files in the run dir."""
+    tracking = stack.config.run.tracking
+    if not tracking.enabled:
+        return None
+    from services.common.tracking.exporter import MetricsExporter
+
+    exporter = MetricsExporter.from_config(tracking, stack.config.run.name, stack.run_dir)
+    targets = [t for t in (tracking.tensorboard_dir and f"TensorBoard {tracking.tensorboard_dir}",
+                           tracking.wandb_project and f"W&B {tracking.wandb_project} "
+                           f"({tracking.wandb_mode})") if t]
+    print(f"[up] exporting metrics to {', '.join(targets)}", flush=True)
+    return exporter
 
 
 def _run_score(stack: LocalStack) -> int:

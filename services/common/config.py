@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.common.errors import ConfigError, quote
 
@@ -57,6 +57,27 @@ class EventsConfig(StrictModel):
         description="events a process holds while Redis is slow; beyond it they are dropped")
 
 
+class TrackingConfig(StrictModel):
+    """Live export of the run's metrics to TensorBoard and Weights & Biases by `riptide up`,
+    read from the events stream (off unless a target is set; needs the `tracking` extra)."""
+
+    tensorboard_dir: str | None = Field(
+        None, min_length=1, description="write TensorBoard event files into this folder")
+    wandb_project: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="log to this Weights & Biases project")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline writes the run's files only (no network; `wandb sync` "
+                               "uploads them later); online needs a W&B login")
+    wandb_dir: str | None = Field(
+        None, min_length=1, description="where W&B keeps its run files (default: the run "
+                                        "directory)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tensorboard_dir is not None or self.wandb_project is not None
+
+
 class RunConfig(StrictModel):
     """Deployment-wide settings."""
 
@@ -71,6 +92,16 @@ class RunConfig(StrictModel):
     log_format: Literal["json", "text"] = Field("json", description="structured or human logs")
     events: EventsConfig = Field(default_factory=lambda: EventsConfig(),
                                  description="the dashboard's events streams")
+    tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig(),
+                                     description="metrics export to TensorBoard / W&B")
+
+    @model_validator(mode="after")
+    def _tracking_reads_events(self) -> RunConfig:
+        if self.tracking.enabled and not self.events.enabled:
+            raise ValueError("run.tracking exports the metrics of the events stream: set "
+                             "run.events.enabled = true, or unset run.tracking.tensorboard_dir "
+                             "and run.tracking.wandb_project")
+        return self
 
 
 class RedisConfig(StrictModel):

@@ -45,7 +45,8 @@ KINDS: dict[str, str] = {
                     "sample: weight versions between its group's oldest token and the trained "
                     "version), idle_fraction (this cycle's wait for data over wait + step + "
                     "checkpoint + sync)",
-    "trainer.wait_data": "span the trainer waited for a batch: groups (how many it got)",
+    "trainer.wait_data": "span the trainer waited for a batch: groups (how many it got), "
+                         "warmup (the process's first wait, engines starting included)",
     "trainer.checkpoint": "span of a checkpoint save and its stream acks: step",
     "trainer.group_dropped": "instant: a group read but not trained: group_id, reason (stale)",
     "trainer.weight_sync": "span of a whole weight push, retries included; weight_version is "
@@ -76,6 +77,14 @@ KINDS: dict[str, str] = {
     "sandbox.create": "span of a sandbox creation (id the sample id): task_id, sandbox, "
                       "error (type, when it failed)",
     "sandbox.delete": "span of a sandbox deletion (id the sandbox id): sandbox, task_id, ok",
+    "sandbox.live": "instant, when a sandbox service's live sandboxes changed (checked every "
+                    "sandbox.live_snapshot_interval_s) and at least every "
+                    "live_snapshot_heartbeat_s (id the service instance, host:pid): instance, "
+                    "heartbeat_s, num_live, sandboxes (the oldest 500 of them, oldest first: "
+                    "{sandbox (empty while creating), "
+                    "task_id, provider, sample_id, group_id (empty once the episode is gone), "
+                    "turns, state (creating, running, verifying, deleting), age_s (since the "
+                    "sandbox was created; since its create began while creating)})",
     "sandbox.verify": "span of the verifier (id the sample id): task_id, passed (reward >= 1), "
                       "scored, reward, exit_code (of tests/test.sh; null when it timed out)",
 }
@@ -288,6 +297,19 @@ def read_episodes(client: redis.Redis, run: str, since_id: str = "0-0",
     return out
 
 
+def _pages(client: redis.Redis, key: str, chunk: int) -> Iterator[list[Any]]:
+    since = "0-0"
+    while entries := _range(client, key, since, chunk):
+        since = _decode(entries[-1][0])
+        yield entries
+
+
+def iter_events(client: redis.Redis, run: str, chunk: int = 5000) -> Iterator[Event]:
+    """Every event of the run, oldest first, read `chunk` entries at a time."""
+    for entries in _pages(client, events_key(run), chunk):
+        yield from (event for _, event in parse_events(entries))
+
+
 def export_events(client: redis.Redis, run: str, out: str | Path,
                   chunk: int = 5000) -> tuple[int, int]:
     """Write the run's events and episode details to a JSONL file, oldest first: lines
@@ -295,9 +317,7 @@ def export_events(client: redis.Redis, run: str, out: str | Path,
     counts = {"event": 0, "episode": 0}
     with Path(out).open("w") as sink:
         for name, key in (("event", events_key(run)), ("episode", episodes_key(run))):
-            since = "0-0"
-            while entries := _range(client, key, since, chunk):
-                since = _decode(entries[-1][0])
+            for entries in _pages(client, key, chunk):
                 items = (parse_events(entries) if name == "event" else
                          [(_decode(i), v) for i, f in entries
                           if (v := _episode(i, f)) is not None])

@@ -3,17 +3,21 @@
 Each `trainer.step` event becomes a line with its reward, groups, the trainer's idle
 fraction, the staleness of the samples it consumed, the prefix-cache hit rate (cumulative,
 from the newest `rollout.load` snapshot: cached over prompt tokens the router saw) and, when
-a target step is set, an ETA from the mean time per step so far.
+a target step is set, an ETA from the mean time per step so far. With an exporter, every event
+read also goes to it (the run's live TensorBoard / W&B export), so the stream is tailed once.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from services.common.events import Event, read_events
+
+if TYPE_CHECKING:
+    from services.common.tracking.exporter import MetricsExporter
 
 
 def _duration(seconds: float) -> str:
@@ -55,11 +59,13 @@ def step_line(step: Event, load: Event | None, eta_s: float | None = None) -> st
 class StepProgress:
     """Follows the events stream and yields a line for each new trainer step."""
 
-    def __init__(self, redis_url: str, run: str, target_step: int | None = None) -> None:
+    def __init__(self, redis_url: str, run: str, target_step: int | None = None,
+                 exporter: MetricsExporter | None = None) -> None:
         self._client = redis.Redis.from_url(redis_url, socket_connect_timeout=1.0,
                                             socket_timeout=2.0)
         self._run = run
         self._target = target_step
+        self.exporter = exporter
         # Stream ids begin with their unix ms: steps of an earlier (resumed) run are skipped.
         self._cursor = f"{int(time.time() * 1000)}-0"
         self._load: Event | None = None
@@ -74,6 +80,8 @@ class StepProgress:
         lines = []
         for entry_id, event in entries:
             self._cursor = entry_id
+            if self.exporter is not None:
+                self.exporter.add(event)
             if event.kind == "rollout.load":
                 self._load = event
             elif event.kind == "trainer.step":
@@ -94,3 +102,5 @@ class StepProgress:
 
     def close(self) -> None:
         self._client.close()
+        if self.exporter is not None:
+            self.exporter.close()

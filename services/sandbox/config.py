@@ -111,3 +111,18 @@ class SandboxConfig(ServiceConfig):
     agent: AgentConfig = Field(default_factory=AgentConfig, description="agent limits")
     scripted: ScriptedClientConfig = Field(default_factory=ScriptedClientConfig,
                                            description="scripted client (model_client=scripted)")
+    live_snapshot_interval_s: float = Field(
+        1.0, ge=0.1, le=60.0, description="how often the live sandboxes are checked; a "
+                                          "`sandbox.live` event goes out when they changed")
+    live_snapshot_heartbeat_s: float = Field(
+        10.0, ge=1.0, le=3600.0, description="a `sandbox.live` event at least this often, "
+                                             "changed or not")
+
+    @model_validator(mode="after")
+    def _heartbeat_after_interval(self) -> SandboxConfig:
+        if self.live_snapshot_heartbeat_s < self.live_snapshot_interval_s:
+            raise ValueError(f"sandbox.live_snapshot_heartbeat_s "
+                             f"({self.live_snapshot_heartbeat_s}) is shorter than "
+                             f"live_snapshot_interval_s ({self.live_snapshot_interval_s}): make "
+                             "the heartbeat at least the interval")
+        return self

@@ -20,6 +20,7 @@ from services.common.events import EventPublisher
 from services.sandbox.agent import AgentRun, TerminalAgent
 from services.sandbox.episode_detail import episode_detail
 from services.sandbox.limiter import Limiter
+from services.sandbox.live import LiveSandboxes
 from services.sandbox.provider import SandboxHandle, SandboxProvider
 from services.sandbox.stats import SandboxStats
 from services.sandbox.task import Task
@@ -46,6 +47,7 @@ class EpisodeRunner:
         self.run_name = run_name
         self.delete_timeout_s = delete_timeout_s
         self._deletes: set[asyncio.Task[None]] = set()
+        self.live = LiveSandboxes()
 
     async def run(self, task: Task, request: sandbox_pb2.RunEpisodeRequest,
                   emit: EmitFn) -> common_pb2.Trajectory:
@@ -57,12 +59,14 @@ class EpisodeRunner:
         finally:
             self.stats.episodes_queued -= 1
         self.stats.episode_started()
+        self.live.begin(request.sample_id, request.group_id, task.name)
         status = finish_reason = ""
         try:
             trajectory = await self._run(task, request, emit, queued)
             status = common_pb2.VerdictStatus.Name(trajectory.status)
             finish_reason = trajectory.finish_reason
         finally:
+            self.live.end(request.sample_id)
             self.stats.episode_finished(status, finish_reason)
             await asyncio.shield(self.episodes.release())
         return trajectory
@@ -73,6 +77,7 @@ class EpisodeRunner:
         timings = common_pb2.EpisodeTimings(queued_s=started - queued)
 
         def progress(kind: str, turn: int, detail: str) -> None:
+            self.live.update(request.sample_id, turns=turn)
             emit(sandbox_pb2.EpisodeProgress(kind=kind, turn=turn, detail=detail,
                                              elapsed_s=time.monotonic() - started))
 
@@ -80,11 +85,13 @@ class EpisodeRunner:
         handle: SandboxHandle | None = None
         try:
             handle = await self._acquire(task, request.sample_id, timings)
+            self.live.update(request.sample_id, state="running", sandbox_id=handle.sandbox_id)
             progress("sandbox_ready", 0, f"{handle.sandbox_id} in {timings.sandbox_create_s:.3f} s")
             run = await self.agent.run(handle, task.instruction, request.sample_id,
                                        request.sampling_params,
                                        task.config.agent.timeout_sec, progress)
             timings.generate_s, timings.exec_s = run.generate_s, run.exec_s
+            self.live.update(request.sample_id, state="verifying")
             with self.events.span("sandbox.verify", id=request.sample_id,
                                   attrs={"task_id": task.name}) as attrs:
                 verdict = await verify(self.provider, handle, task)
@@ -98,6 +105,7 @@ class EpisodeRunner:
             verdict = Verdict.no_verdict(f"{type(exc).__name__}: {exc}")
         finally:
             if handle is not None:
+                self.live.update(request.sample_id, state="deleting")
                 await self._delete_shielded(handle)
         if verdict.status == common_pb2.VERDICT_STATUS_SCORED:
             progress("verifier", run.num_turns if run else 0, f"reward {verdict.reward:g}")
@@ -169,6 +177,7 @@ class EpisodeRunner:
                 log.exception("deleting sandbox %s failed", handle.sandbox_id)
             finally:
                 self.stats.sandbox_deleted(handle, ok)
+                self.live.touch()
                 attrs["ok"] = ok
 
     async def drain_deletes(self, timeout_s: float) -> None:

@@ -22,6 +22,7 @@ from services.common.sampling_params import sampling_params
 from services.common.service import ServiceRuntime, status_message
 from services.sandbox.config import SandboxConfig
 from services.sandbox.episode import EpisodeRunner
+from services.sandbox.live import publish_live, publish_snapshot
 from services.sandbox.model_client import ModelClient
 from services.sandbox.provider import SandboxProvider
 from services.sandbox.stats import SandboxStats
@@ -70,6 +71,7 @@ class SandboxService(ServiceRuntime):
         self._episodes: set[asyncio.Task[common_pb2.Trajectory]] = set()
         self._running: set[str] = set()
         self._started = False
+        self._live: asyncio.Task[None] | None = None
         #: Scripted turns of the episodes in flight (model_client = "scripted" only).
         self.scripts = scripts if scripts is not None else {}
         self.script_maker = script_maker
@@ -79,6 +81,10 @@ class SandboxService(ServiceRuntime):
 
     async def start(self) -> None:
         self._started = True
+        if self.runner.events.enabled:
+            self._live = asyncio.get_running_loop().create_task(publish_live(
+                self.runner.events, self.runner.live, self.stats.alive,
+                self.config.live_snapshot_interval_s, self.config.live_snapshot_heartbeat_s))
 
     def ready(self) -> bool:
         return self._started
@@ -90,6 +96,11 @@ class SandboxService(ServiceRuntime):
         if self._episodes:
             await asyncio.wait(set(self._episodes), timeout=self.config.delete_timeout_s)
         await self.runner.drain_deletes(self.config.delete_timeout_s)
+        if self._live is not None:
+            self._live.cancel()
+            # the last snapshot: what is still alive after the drain (usually nothing)
+            publish_snapshot(self.runner.events, self.runner.live, self.stats.alive,
+                             self.config.live_snapshot_heartbeat_s)
         await self.model.close()
         await self.provider.close()
         await asyncio.to_thread(self.runner.events.close)

@@ -40,11 +40,13 @@ class SyntheticRun:
     abort_fraction: float = 0.0
     stale_drop_fraction: float = 0.0
     stale_length_factor: float = 1.0  # response length of stale-dropped episodes vs others
+    live_snapshots: bool = False  # the sandbox services publish `sandbox.live` at the end
     entries: list[tuple[str, dict[str, Any]]] = field(default_factory=list, repr=False)
 
     def generate(self) -> list[tuple[str, dict[str, Any]]]:
         """(stream, data) pairs in time order of writing."""
         self.entries, self._rng = [], random.Random(self.seed)
+        self._undeleted: list[dict[str, Any]] = []
         self._cumulative = {(e, r): [0, 0] for e in range(self.num_engines)
                             for r in range(self.dp_size)}
         t = T0
@@ -52,7 +54,22 @@ class SyntheticRun:
             t = self._step(step, t)
         if self.stall_s:  # rollout goes on reporting its load; the trainer says nothing
             self._load(t, t + self.stall_s, self.num_steps)
+        if self.live_snapshots:
+            self._live_snapshots(t)
         return self.entries
+
+    def _live_snapshots(self, t: float) -> None:
+        """A service that stopped reporting long ago (its rows are stale), then the live one
+        listing the sandboxes never deleted."""
+        self._event("sandbox.live", "sandbox", t - 600, t - 600, "gone:1", None,
+                    instance="gone:1", heartbeat_s=10.0, sandboxes=[
+                        {"sandbox": "sbx-gone", "task_id": "csv-revenue", "provider": "local",
+                         "sample_id": "old", "group_id": "g0", "turns": 1, "state": "running",
+                         "age_s": 5.0}])
+        rows = [{**row, "provider": "local", "turns": 2, "state": "running",
+                 "age_s": t - row["age_s"]} for row in self._undeleted]
+        self._event("sandbox.live", "sandbox", t, t, "sandbox:1", None, instance="sandbox:1",
+                    heartbeat_s=10.0, sandboxes=rows)
 
     def _event(self, kind: str, service: str, start: float, end: float | None, ident: str,
                version: int | None, **attrs: Any) -> None:
@@ -156,6 +173,10 @@ class SyntheticRun:
         if step < self.num_steps or index % 2:  # some sandboxes of the last step stay live
             self._event("sandbox.delete", "sandbox", t1, t1 + 0.1, sandbox_id, None,
                         task_id=task, sandbox=sandbox_id, ok=True)
+        else:  # age_s holds the creation time until the snapshot is written
+            self._undeleted.append({"sandbox": sandbox_id, "task_id": task,
+                                    "sample_id": sample_id, "group_id": group_id,
+                                    "age_s": t0 + 0.2})
         self._event("rollout.episode", "rollout", t0, t1, sample_id, version,
                     sample_id=sample_id, group_id=group_id, task_id=task,
                     engine=_engine(engine), dp_rank=dp_rank, turns=2, prompt_tokens=120,

@@ -79,6 +79,7 @@ class TrainerLoop:
         self.events = events or EventPublisher.disabled("trainer")
         self._should_stop: Callable[[], bool] = lambda: False
         self._next_weights_check = 0.0
+        self._waited_once = False
         self.train_step = train_step_for(config.parallel)
         self.state = TrainerState()
         self.recovery: Recovery | None = None
@@ -98,9 +99,13 @@ class TrainerLoop:
             self._take_rejected()
             if batch is None:
                 break
+            # The first wait of a process also covers engines starting and the first
+            # episodes: `warmup` keeps it out of the dashboard's idle fraction.
             self.events.publish("trainer.wait_data", start=waited_at, end=time.time(),
                                 weight_version=self.state.weight_version,
-                                attrs={"groups": len(batch.group_ids)})
+                                attrs={"groups": len(batch.group_ids),
+                                       "warmup": not self._waited_once})
+            self._waited_once = True
             self.stats.set_phase("training")
             trained_version, start, started_at = (self.state.weight_version, time.monotonic(),
                                                   time.time())

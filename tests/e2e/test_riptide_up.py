@@ -99,12 +99,21 @@ def test_up_without_redis_says_how_to_install_it(tmp_path: Path) -> None:
 
 
 def test_up_with_steps_trains_syncs_and_summarizes(tmp_path: Path) -> None:
-    """The demo path: episodes flow, the trainer steps and syncs weights, then all stops."""
+    """The demo path: episodes flow, the trainer steps and syncs weights, then all stops;
+    with `[run.tracking]`, its metrics are exported live to TensorBoard as it goes."""
     import json
 
+    from services.common.config import dump_config
+    from services.local_stack import ensure_tiny_model, local_config
+
+    run_dir, tensorboard_dir = tmp_path / "stack", tmp_path / "tb"
+    ensure_tiny_model(run_dir)
+    config_path = tmp_path / "tracked.toml"
+    config_path.write_text(dump_config(local_config(
+        run_dir, {"run": {"tracking": {"tensorboard_dir": str(tensorboard_dir)}}})))
     log = tmp_path / "up.log"
-    up = process.spawn([sys.executable, "-m", "services.cli", "up", "--dir",
-                        str(tmp_path / "stack"), "--steps", "2"], log_path=log)
+    up = process.spawn([sys.executable, "-m", "services.cli", "up", "--dir", str(run_dir),
+                        "--config", str(config_path), "--steps", "2"], log_path=log)
     try:
         _wait_for_line(log, "all services ready", up, timeout_s=240)
         children = descendants(up.pid)
@@ -121,21 +130,36 @@ def test_up_with_steps_trains_syncs_and_summarizes(tmp_path: Path) -> None:
     assert summary["prefix_cache_hit_rate"] > 0.5
     time.sleep(0.5)
     assert alive(children) == set(), "processes left behind after the run ended"
-    _check_progress_and_events(log.read_text(), tmp_path / "stack" / "events.jsonl")
+    steps = _check_progress_and_events(log.read_text(), run_dir / "events.jsonl")
+    _check_tensorboard(tensorboard_dir, steps)
+
+
+def _check_tensorboard(logdir: Path, steps: list[int]) -> None:
+    pytest.importorskip("tensorboard", reason="the tracking extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(logdir))
+    accumulator.Reload()
+    assert [p.step for p in accumulator.Scalars("train/loss")] == steps  # one per line
+    assert {"train/reward_mean", "train/tokens_per_s",
+            "rollout/cache_hit_rate"} <= set(accumulator.Tags()["scalars"])
 
 
 #: What a two-step local run publishes (dropped groups and evaluations: unit tests).
 RUN_KINDS = {"trainer.step", "trainer.wait_data", "trainer.checkpoint", "trainer.weight_sync",
              "trainer.weight_sync.bucket", "rollout.engine_pause", "rollout.episode",
-             "rollout.load", "sandbox.create", "sandbox.delete", "sandbox.verify"}
+             "rollout.load", "sandbox.create", "sandbox.delete", "sandbox.verify", "sandbox.live"}
 
 
-def _check_progress_and_events(text: str, saved: Path) -> None:
-    """One progress line per step, and the run's events saved at the end, each kind there."""
+def _check_progress_and_events(text: str, saved: Path) -> list[int]:
+    """One progress line per step, and the run's events saved at the end, each kind there;
+    returns the steps of the progress lines."""
     from services.common.events import load_episodes, load_events
 
     lines = [line for line in text.splitlines() if line.startswith("[step ")]
-    assert [line.split("]")[0] for line in lines] == ["[step 1", "[step 2"], text[-3000:]
+    # A fast trainer may finish a step beyond --steps before `up` sees the target reached.
+    steps = [int(line.split("]")[0].removeprefix("[step ")) for line in lines]
+    assert steps[:2] == [1, 2] and steps == list(range(1, len(steps) + 1)), text[-3000:]
     assert all("idle " in line and "cache hit " in line and "staleness " in line
                for line in lines)
     assert "ETA " in lines[1]
@@ -145,12 +169,19 @@ def _check_progress_and_events(text: str, saved: Path) -> None:
     assert any(r["cached_tokens"] > 0 for e in loads for r in e.attrs["engines"])
     episode = next(e for e in events if e.kind == "rollout.episode")
     assert episode.attrs["engine"].startswith("http://") and episode.attrs["turns"] >= 1
+    snapshots = [e.attrs["sandboxes"] for e in events if e.kind == "sandbox.live"]
+    assert any(row["state"] == "running" and row["provider"] == "local" and row["sandbox"]
+               and row["sample_id"] and row["task_id"] for rows in snapshots for row in rows)
+    assert snapshots[-1] == []  # the sandbox service's last word: nothing left alive
+    waits = [e.attrs["warmup"] for e in events if e.kind == "trainer.wait_data"]
+    assert waits == [True] + [False] * (len(waits) - 1)  # engines start in the first wait
     step = next(e for e in events if e.kind == "trainer.step")
     assert len(step.attrs["staleness"]) == step.attrs["samples"] > 0
     detail = load_episodes(saved)[0]
     assert detail["turns"] and detail["turns"][0]["assistant"]
     assert len(detail["token_text"]) == len(detail["tokens"]["ids"])
     assert len(detail["tokens"]["loss_mask"]) == len(detail["tokens"]["ids"])
+    return steps
 
 
 def test_a_service_failing_at_start_stops_the_stack_with_its_error(tmp_path: Path) -> None:

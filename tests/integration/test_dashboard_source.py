@@ -48,3 +48,25 @@ def test_reads_new_events_only_and_finds_episodes(redis_url: str) -> None:
             await source.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_finished_run_in_redis_is_not_live_but_still_followed(redis_url: str) -> None:
+    import time
+
+    client = redis.Redis.from_url(redis_url)
+    _write(client, "finished", SyntheticRun(num_steps=2).generate())  # events of long ago
+
+    async def scenario() -> None:
+        source = RedisSource(redis_url, "finished")
+        try:
+            await source.refresh()
+            assert not source.live and source.follows
+            client.xadd(events_key("finished"), {"event": json.dumps(
+                {"kind": "rollout.load", "service": "rollout", "start": time.time(),
+                 "attrs": {}})})  # the run resumed: a fresh reading
+            await source.refresh()
+            assert source.live
+        finally:
+            await source.aclose()
+
+    asyncio.run(scenario())

@@ -98,3 +98,31 @@ def test_step_progress_prints_a_line_per_new_step_with_cache_hit_and_eta(
     assert "reward 0.250" in lines[0] and "groups 2" in lines[0] and "idle 40%" in lines[0]
     assert "cache hit 60%" in lines[0] and "staleness 1.00 (max 2)" in lines[0]
     assert "ETA" not in lines[0] and "ETA " in lines[1]
+
+
+def test_step_progress_feeds_the_live_metrics_exporter(redis_url: str) -> None:
+    from services.common.progress import StepProgress
+    from services.common.tracking.exporter import MetricsExporter
+    from services.common.tracking.scalars import Scalar
+
+    class Collect:
+        def __init__(self) -> None:
+            self.scalars: list[Scalar] = []
+            self.closed = False
+
+        def write(self, scalars: list[Scalar]) -> None:
+            self.scalars.extend(scalars)
+
+        def close(self) -> None:
+            self.closed = True
+
+    sink = Collect()
+    progress = StepProgress(redis_url, "tracked", exporter=MetricsExporter([sink]))
+    publisher = EventPublisher(redis_url, "tracked", "trainer", EventsConfig())
+    publisher.publish("trainer.step", start=1.0, end=3.0, attrs={"step": 5, "loss": 0.5})
+    publisher.close(timeout_s=10.0)
+    assert len(progress.poll()) == 1
+    progress.close()
+    assert {(s.tag, s.step, s.value) for s in sink.scalars} >= {("train/loss", 5, 0.5),
+                                                                 ("train/step_time_s", 5, 2.0)}
+    assert sink.closed

@@ -2,7 +2,8 @@
 per dp rank, prefix-cache hit rates, the engines table and the live sandboxes.
 
 All of it comes from the `rollout.load` readings (about one a second; the engines' cached and
-prompt token counts are cumulative) and the sandbox create/delete spans.
+prompt token counts are cumulative) and the sandbox services' `sandbox.live` snapshots (the
+create/delete spans for a run recorded without them).
 """
 
 from __future__ import annotations
@@ -82,7 +83,27 @@ def engines_table(record: RunRecord) -> list[dict[str, Any]]:
 
 
 def live_sandboxes(record: RunRecord) -> list[dict[str, Any]]:
-    """Sandboxes created and not yet deleted, oldest first, with their age in seconds."""
+    """The live sandboxes, oldest first, with their age in seconds at the record's clock:
+    the newest `sandbox.live` snapshot of each sandbox service that is still reporting; for
+    a run without snapshots, the sandboxes created and not yet deleted."""
+    snapshots = record.of_kind("sandbox.live")
+    if not snapshots:
+        return _created_not_deleted(record)
+    newest: dict[str, Event] = {}
+    for e in snapshots:
+        newest[str(e.attrs.get("instance") or e.id)] = e
+    now, rows = record.now, []
+    for e in newest.values():
+        heartbeat_s = float(e.attrs.get("heartbeat_s") or 10.0)
+        if now - e.start > 3 * heartbeat_s:  # the service stopped reporting (gone)
+            continue
+        for row in e.attrs.get("sandboxes") or []:
+            if isinstance(row, dict):
+                rows.append({**row, "age_s": float(row.get("age_s") or 0.0) + now - e.start})
+    return sorted(rows, key=lambda row: -row["age_s"])
+
+
+def _created_not_deleted(record: RunRecord) -> list[dict[str, Any]]:
     deleted = {_sandbox(e) for e in record.of_kind("sandbox.delete")}
     created = {_sandbox(e): e for e in record.of_kind("sandbox.create")
                if e.attrs.get("sandbox") and _sandbox(e) not in deleted}  # no id: create failed

@@ -50,7 +50,9 @@ def dashboard_router(source: EventSource, config: DashboardConfig) -> APIRouter:
         async with lock:
             record = await source.refresh()
             # Off the event loop: the rollout service's scheduler shares it.
-            return await asyncio.to_thread(summary, record, config, source.live)
+            body = await asyncio.to_thread(summary, record, config, source.live)
+        body["follows"] = source.follows
+        return body
 
     @router.get("/dashboard/api/samples/{sample_id}")
     async def api_sample(sample_id: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,12 +20,24 @@ from services.rollout.dashboard.record import RunRecord, load_jsonl
 log = logging.getLogger(__name__)
 READ_CHUNK = 5000
 SCAN_CHUNK = 100
+#: A run is live while its newest event is at most this old: a running rollout service
+#: publishes a load reading about every second and a sandbox service a snapshot every 10 s,
+#: so half a minute of silence means the run has ended (or every publisher is stuck).
+LIVE_WITHIN_S = 30.0
 
 
 class EventSource(Protocol):
     """What the dashboard's routes read."""
 
-    live: bool
+    @property
+    def live(self) -> bool:
+        """The run is running now (its events are recent)."""
+        ...
+
+    @property
+    def follows(self) -> bool:
+        """The source may still change, so the page keeps polling (a Redis stream does)."""
+        ...
 
     async def refresh(self) -> RunRecord:
         """The record, brought up to date."""
@@ -41,6 +54,7 @@ class FileSource:
     """A finished run saved as a JSONL export (read once)."""
 
     live = False
+    follows = False
 
     def __init__(self, path: Path, max_events: int = 200_000) -> None:
         self.record = load_jsonl(path, max_events)
@@ -58,7 +72,7 @@ class FileSource:
 class RedisSource:
     """The run's events streams in Redis, live or after the run."""
 
-    live = True
+    follows = True
 
     def __init__(self, url: str, run: str, max_events: int = 200_000) -> None:
         import redis.asyncio as aioredis
@@ -70,6 +84,11 @@ class RedisSource:
         self._episode_ids: dict[str, bytes] = {}  # sample id -> episodes entry id
         self._indexed: set[bytes] = set()
         self._oldest_indexed: bytes | None = None
+
+    @property
+    def live(self) -> bool:
+        """Whether the run's newest event is recent (a finished run's stream is not live)."""
+        return self.record.now > 0 and time.time() - self.record.now <= LIVE_WITHIN_S
 
     async def refresh(self) -> RunRecord:
         import redis

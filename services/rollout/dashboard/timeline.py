@@ -42,13 +42,16 @@ def _span(kind: str, start: float, end: float | None, now: float, label: Any) ->
 
 def trainer_idle_fraction(record: RunRecord) -> float | None:
     """Time the trainer spent waiting for data over the time its phases cover (None: no
-    phases yet)."""
+    phases yet). A trainer process's first wait (`warmup`: engines starting, the first
+    episodes) counts in neither."""
     spans = record.of_kind(*TRAINER_PHASES)
     if not spans:
         return None
     now = record.now
     begin = min(e.start for e in spans)
     end = max(now if e.end is None else e.end for e in spans)
-    waited = sum((now if e.end is None else e.end) - e.start
-                 for e in spans if e.kind == "trainer.wait_data")
-    return waited / (end - begin) if end > begin else 0.0
+    waits = [((now if e.end is None else e.end) - e.start, bool(e.attrs.get("warmup")))
+             for e in spans if e.kind == "trainer.wait_data"]
+    covered = end - begin - sum(d for d, warmup in waits if warmup)
+    waited = sum(d for d, warmup in waits if not warmup)
+    return waited / covered if covered > 0 else 0.0

@@ -108,13 +108,14 @@
       [r => r.healthy ? "healthy" : "unhealthy", "health"], ["weight_version", "weights"],
       ["circuit", "circuit"]], s.engines));
     mark("sandboxes", table($("sandboxes"), [["sandbox", "sandbox"], ["task_id", "task"],
-      ["sample_id", "sample"], ["age_s", "age (s)"]], s.sandboxes));
+      ["provider", "provider"], ["sample_id", "sample"], ["state", "state"],
+      ["turns", "turns"], ["age_s", "age (s)"]], s.sandboxes));
     mark("samples", table($("samples"), [["sample_id", "sample"], ["task_id", "task"],
       ["reward", "reward"], ["verdict", "verdict"], ["turns", "turns"],
       ["response_tokens", "resp. tokens"], ["engine", "engine"], ["dp_rank", "dp"],
       ["weight_version", "weights"], [r => r.truncated ? "yes" : "", "truncated"],
       [r => r.aborted ? "yes" : "", "aborted"]], s.samples, (tr, row) => {
-        if (!row.has_detail && !s.live) return;
+        if (!row.has_detail && !s.follows) return;
         tr.dataset.sample = row.sample_id;
         tr.addEventListener("click", () => showSample(row.sample_id));
       }));
@@ -188,7 +189,7 @@
       $("error").textContent = "";
       draw(s);
       document.body.dataset.loaded = String(Number(document.body.dataset.loaded || 0) + 1);
-      if (!s.live) return;  // a saved run does not change
+      if (!s.follows) return;  // a saved run does not change
       delay = s.poll_interval_ms;
     } catch (err) {
       $("error").textContent = err.message;

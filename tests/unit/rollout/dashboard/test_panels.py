@@ -80,6 +80,20 @@ def test_windowed_hit_rate_follows_a_change() -> None:
     assert panel["latest_cumulative"] == pytest.approx(0.9 * 150 / 200)
 
 
+@pytest.mark.parametrize("warmup", [True, False])
+def test_the_first_wait_while_engines_start_is_not_idle_time(
+        run: SyntheticRun, tmp_path: Path, warmup: bool) -> None:
+    record = load_jsonl(write_jsonl(run.generate(), tmp_path / "run.jsonl"))
+    first = min(e.start for e in record.of_kind("trainer.wait_data"))
+    record.add_event({"kind": "trainer.wait_data", "service": "trainer", "start": first - 600,
+                      "end": first, "attrs": {"groups": 0, "warmup": warmup}})
+    idle = timeline.trainer_idle_fraction(record)
+    if warmup:
+        assert idle == pytest.approx(run.trainer_idle_fraction, abs=1e-6)
+    else:  # the same wait, unmarked, would be ten minutes of idling
+        assert idle is not None and idle > run.trainer_idle_fraction + 0.3
+
+
 def test_engines_table_and_live_sandboxes(record: RunRecord, run: SyntheticRun) -> None:
     rows = load.engines_table(record)
     assert len(rows) == run.num_engines * run.dp_size
@@ -88,6 +102,26 @@ def test_engines_table_and_live_sandboxes(record: RunRecord, run: SyntheticRun) 
     # The synthetic run leaves the even-numbered samples of its last step live.
     assert len(live) == run.groups_per_step * (run.samples_per_group // 2)
     assert all(s["age_s"] >= 0 for s in live)
+
+
+def test_live_sandboxes_come_from_the_newest_snapshot_of_each_reporting_service(
+        tmp_path: Path) -> None:
+    run = SyntheticRun(live_snapshots=True)
+    record = load_jsonl(write_jsonl(run.generate(), tmp_path / "run.jsonl"))
+    live = load.live_sandboxes(record)
+    assert {s["sandbox"] for s in live} == {
+        e.attrs["sandbox"] for e in record.of_kind("sandbox.create")} - {
+        e.attrs["sandbox"] for e in record.of_kind("sandbox.delete")}  # not "sbx-gone"
+    assert all(s["state"] == "running" and s["provider"] == "local" and s["turns"] == 2
+               for s in live)
+    assert [s["age_s"] for s in live] == sorted((s["age_s"] for s in live), reverse=True)
+    record.add_event({"kind": "rollout.load", "service": "rollout", "start": record.now + 4,
+                      "attrs": {}})
+    assert [s["age_s"] for s in load.live_sandboxes(record)] == pytest.approx(
+        [s["age_s"] + 4 for s in live])  # ages run on with the record's clock
+    record.add_event({"kind": "rollout.load", "service": "rollout", "start": record.now + 60,
+                      "attrs": {}})
+    assert load.live_sandboxes(record) == []  # the service stopped reporting
 
 
 def test_training_panels(record: RunRecord, run: SyntheticRun) -> None:

@@ -19,7 +19,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    path = write_jsonl(SyntheticRun(no_verdict_fraction=0.3).generate(),
+    path = write_jsonl(SyntheticRun(no_verdict_fraction=0.3, live_snapshots=True).generate(),
                        tmp_path_factory.mktemp("events") / "run.jsonl")
     runtime = DashboardRuntime(FileSource(path), DashboardConfig())
     with TestClient(build_admin_app(runtime, TOKEN)) as test_client:
@@ -44,11 +44,12 @@ def test_the_api_needs_the_admin_token(client: TestClient, path: str) -> None:
 
 def test_summary_has_every_panel_and_the_advisories(client: TestClient) -> None:
     body = client.get("/dashboard/api/summary", headers=AUTH).json()
-    assert body["live"] is False
+    assert body["live"] is False and body["follows"] is False  # a saved run: no polling
     for panel in ("timeline", "concurrency", "cache", "steps", "staleness", "evals",
                   "engines", "sandboxes", "samples"):
         assert body[panel], panel
     assert body["dropped"] == {}  # this run drops no group
+    assert {(s["state"], s["provider"]) for s in body["sandboxes"]} == {("running", "local")}
     assert [a["code"] for a in body["advisories"]] == ["no_verdict"]
 
 
