@@ -32,6 +32,8 @@ from typing import Any
 import httpx
 
 from services.common.config import dump_config
+from services.common.events import load_events
+from services.common.progress import cache_hit_rate
 from services.local_stack import LocalStack, local_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +85,8 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
         "rollout": {"task_ids": train, "scheduler": {
             "max_concurrent_samples": args.in_flight, "n_samples_per_prompt": args.group_size,
             "num_groups_per_batch": args.groups_per_step, "max_new_tokens": AGENT["max_new_tokens"],
-            "temperature": 0.8, "max_staleness": 2, "drop_zero_variance_groups": True},
+            "temperature": 0.8, "max_staleness": 2, "drop_zero_variance_groups": True,
+            "zero_variance_cooldown_passes": args.cooldown_passes},
             "fleet": {"model_path": str(model), "start_timeout_s": 600.0,
                       "builtin_args": ["--num-threads", str(args.engine_threads),
                                        "--dtype", args.dtype]},
@@ -109,16 +112,38 @@ def _details(config: Any, name: str) -> dict[str, Any]:
         return {}
 
 
+def _rss_mb(pid: int) -> float:
+    """Resident memory of `pid` and its children (the trainer's ranks), in MB."""
+    try:
+        out = subprocess.run(["ps", "-o", "rss=", "--ppid", str(pid), "-p", str(pid)],
+                             capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return 0.0
+    return sum(int(v) for v in out.split()) / 1024
+
+
+def _cache_hit_rate(events_file: Path) -> float | None:
+    """The run's prefix-cache hit rate, from its last load snapshot."""
+    if not events_file.exists():
+        return None
+    loads = [e for e in load_events(events_file) if e.kind == "rollout.load"]
+    rate = cache_hit_rate(loads[-1]) if loads else None
+    return None if rate is None else round(rate, 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--budget-min", type=float, default=30.0, help="wall time of the run")
     parser.add_argument("--model", type=Path, default=None, help="default: smollm2-135m")
     parser.add_argument("--dir", type=Path, default=REPO / ".riptide" / "learn")
-    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups-per-step", type=int, default=2)
-    parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--in-flight", type=int, default=16,
+                        help="episodes in flight: two groups decode as one batch")
+    parser.add_argument("--cooldown-passes", type=int, default=2,
+                        help="passes a task sits out after a zero-variance group")
     parser.add_argument("--engine-threads", type=int, default=2)
     parser.add_argument("--eval-interval", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
@@ -152,10 +177,14 @@ def main() -> None:
     path.write_text(dump_config(config))
     stack = LocalStack(run_dir, path, say=lambda m: print(m, file=sys.stderr, flush=True))
     rewards: dict[int, float] = {}
+    trainer_rss_mb = 0.0
     try:
         stack.start(ready_timeout_s=900)
         while len(rewards) < args.steps and time.monotonic() < deadline:
             stack.check_children()  # restarts a dead service; raises when one keeps dying
+            child = stack.children.get("trainer")
+            if child is not None:
+                trainer_rss_mb = max(trainer_rss_mb, _rss_mb(child.pid))
             trainer = _details(config, "trainer")
             last = trainer.get("last_step") or {}
             if "step" in last and "reward_mean" in last:
@@ -180,6 +209,10 @@ def main() -> None:
                                    for v, e in (rollout.get("eval") or {}).items()},
         "groups_dropped": rollout.get("dropped_groups"),
         "mismatch_kl_last_step": (trainer.get("last_step") or {}).get("mismatch_kl"),
+        "trainer_idle_fraction": round(trainer.get("total_wait_s", 0.0) / rl_wall_s, 3),
+        "trainer_peak_rss_mb": round(trainer_rss_mb),
+        "cache_hit_rate": _cache_hit_rate(run_dir / "events.jsonl"),
+        "tasks_cooling_at_end": rollout.get("cooling_tasks"),
         "heldout_initial_tasks": {t: r["success"] for t, r in initial["tasks"].items()},
         "heldout_final_tasks": {t: r["success"] for t, r in (final.get("tasks") or {}).items()},
         "warm_start": None if warm is None else {
