@@ -272,9 +272,14 @@ def _eval(args: argparse.Namespace) -> int:
     engine_args = ["--dtype", args.engine_dtype]
     if args.engine_threads is not None:
         engine_args += ["--num-threads", str(args.engine_threads)]
-    with running_engine(model_dir, args.dir / "engine.log", extra_args=engine_args) as url:
+    import secrets
+
+    key = secrets.token_urlsafe(24)  # the engine answers this process only
+    with running_engine(model_dir, args.dir / "engine.log", extra_args=engine_args,
+                        api_key=key) as url:
         async def run() -> dict[str, object]:
-            model, provider = EngineModelClient(url), LocalProvider(LocalProviderConfig())
+            model = EngineModelClient(url, api_key=key)
+            provider = LocalProvider(LocalProviderConfig())
             try:
                 return await evaluate(
                     tasks, model, ChatFormat(load_tokenizer(str(model_dir))), provider, agent,

@@ -47,7 +47,8 @@ MAX_STALENESS = 4
 
 def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Any:
     """A deployment config for one machine: loopback, free ports, fresh admin and gRPC tokens
-    (the file is the only place they are written: children read them from it, not argv).
+    and engine API key (the file is the only place they are written: children read them from
+    it, not argv; the fleet hands the key to its engines in their environment).
 
     `overrides` are merged at every depth (`{"trainer": {"model": {"hf_path": ...}}}` keeps
     the model's dtype); the trainer's sampling temperature follows the rollout's (deployment
@@ -55,7 +56,8 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
     ports = iter(free_ports(1 + 2 * len(SERVICE_ORDER)))
     data: dict[str, Any] = {
         "run": {"name": "local", "admin_token": secrets.token_urlsafe(24),
-                "grpc_token": secrets.token_urlsafe(24), "log_format": "json"},
+                "grpc_token": secrets.token_urlsafe(24),
+                "engine_api_key": secrets.token_urlsafe(24), "log_format": "json"},
         "redis": {"url": f"redis://127.0.0.1:{next(ports)}/0"},
     }
     for name in SERVICE_ORDER:
