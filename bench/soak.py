@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interval-s", type=float, default=None,
-                        help="time between faults (default: every kind once in the run)")
+                        help="time between fault starts (default: every kind once in the run)")
     parser.add_argument("--baseline-frac", type=float, default=0.15)
     parser.add_argument("--warmup-s", type=float, default=15.0,
                         help="seconds after a process reported ready before its RSS baseline")
@@ -187,6 +187,7 @@ def main() -> None:
         failed_creations = 0
         fault_start_step = stack.step()
         fault_phase_start = time.monotonic()
+        slot = 0  # fault k starts at fault_phase_start + k * interval (at once if one overran)
         while time.monotonic() - started < total_s - 5:
             if not order:
                 order = list(kinds)
@@ -197,8 +198,9 @@ def main() -> None:
             if kind == "sandbox_failures" and isinstance(outcome, int):
                 failed_creations += outcome
             recoveries.setdefault(kind, []).append(round(_recover(stack, sampler, before), 1))
-            _wait(stack, sampler, max(0.0, min(interval - 1, total_s - (time.monotonic()
-                                                                       - started) - 5)))
+            slot += 1
+            next_at = min(fault_phase_start + slot * interval, started + total_s - 5)
+            _wait(stack, sampler, max(0.0, next_at - time.monotonic()))
         fault_rate = (stack.step() - fault_start_step) / ((time.monotonic()
                                                            - fault_phase_start) / 60)
         stack.wait_steps(1, RECOVERY_BOUND_S)
@@ -211,6 +213,7 @@ def main() -> None:
         **{k: v for k, v in audit.as_dict().items() if k != "rollout_dropped"},
         "rollout_dropped_last_incarnation": audit.rollout_dropped,
         "faults_injected": {k: len(v) for k, v in recoveries.items()},
+        "every_kind_injected": set(recoveries) == set(kinds),
         "recovery_s": recoveries, "recovery_s_max": worst, "recovery_bound_s": RECOVERY_BOUND_S,
         "staleness_max": sampler.staleness_max, "staleness_bound": MAX_STALENESS,
         "steps_per_min_baseline": round(baseline_rate, 2),
