@@ -10,7 +10,8 @@ takes longer than RECOVERY_BOUND_S. Every second the trainer's last step's stale
 process's RSS are sampled. A process's memory is measured per incarnation (pid) from a
 baseline taken `--warmup-s` after it reported ready (a service's /admin/state, the engine's
 fleet entry), not while it imports torch and loads its model; its growth is the largest
-(last - baseline) over its incarnations. At the end the faults stop, the run takes one more
+(last - baseline) over its incarnations, and the growth over the later half of its longest
+measured incarnation tells warm-up from a leak. At the end the faults stop, the run takes one more
 step and services/testing/fault_stack.py's audit compares the groups produced (Redis
 markers), still in the stream, trained (checkpoint) and dropped with reasons.
 
@@ -30,7 +31,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,14 @@ class Incarnation:
     baseline_mb: float | None = None
     last_mb: float | None = None
     samples: int = 0
+    after_baseline: list[float] = field(default_factory=list)  # every sample from the baseline
+
+    @property
+    def second_half_growth_mb(self) -> float:
+        """Growth over the later half of its measured life: near 0 once caches are warm; a
+        leak keeps it growing."""
+        half = self.after_baseline[len(self.after_baseline) // 2:]
+        return half[-1] - half[0] if half else 0.0
 
     @property
     def growth_mb(self) -> float | None:
@@ -97,6 +106,7 @@ class Sampler:
             if inc.baseline_mb is None:
                 inc.baseline_mb = mb
             inc.last_mb, inc.samples = mb, inc.samples + 1
+            inc.after_baseline.append(mb)
 
     def _ready(self, name: str, pid: int) -> bool:
         if name == "redis":  # loads nothing: ready once it runs
@@ -120,6 +130,8 @@ class Sampler:
                          "baseline_mb": round(worst.baseline_mb or 0.0, 1),
                          "last_mb": round(worst.last_mb or 0.0, 1),
                          "samples": worst.samples, "incarnations": len(by_pid),
+                         "longest_second_half_growth_mb": round(
+                             max(measured, key=lambda i: i.samples).second_half_growth_mb, 1),
                          "measured": len(measured)}
         return out
 
