@@ -150,7 +150,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         if not config.engine.model_path:
             raise ConfigError(f"{args.config}: engine.model_path is required to serve an engine")
-        serve_engine(config.engine)
+        # The deployment's engine key guards this engine too, unless [engine] sets its own.
+        key = config.engine.api_key or config.run.engine_api_key
+        serve_engine(config.engine.model_copy(update={"api_key": key}))
         return 0
     if args.service == "trainer" and config.trainer.parallel.launcher == "external":
         from services.trainer.rank_env import launched_rank
