@@ -19,6 +19,13 @@ pytestmark = pytest.mark.slow
 KEY = "deployment-engine-key-1"
 
 
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_serve_engine_requires_the_deployments_key(tmp_path: Path) -> None:
     port = free_ports(1)[0]
     config = tmp_path / "deploy.toml"
@@ -29,14 +36,9 @@ def test_serve_engine_requires_the_deployments_key(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
-        while True:
+        while not _healthy(url):
             assert child.poll() is None, (tmp_path / "engine.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "the engine did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
             time.sleep(0.2)
         refused = httpx.get(f"{url}/model_info", timeout=10)
         assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
