@@ -1,14 +1,22 @@
 """Soak: the supervised local stack (`riptide up`) for M minutes under a seeded fault schedule.
 
 The first `--baseline-frac` of the time runs without faults (the baseline: trainer steps per
-minute and each service's memory); then every `--interval-s` one fault from FAULT_KINDS is
-injected (a seeded shuffle, so every kind comes once before any comes twice). After each,
-recovery is the time until the trainer took its next step. Every second the trainer's last
-step's staleness and each process's RSS are sampled. At the end the faults stop, the run takes
-one more step and services/testing/fault_stack.py's audit compares the groups produced
-(Redis markers), still in the stream, trained (checkpoint) and dropped with reasons.
+minute and each service's memory); then every `--interval-s` one fault from `fault_kinds` is
+injected (a seeded shuffle, so every kind comes once before any comes twice): SIGKILL of each
+service, of the engine and of Redis (append-only, fsync per write), a hung engine, sandbox
+creation failing (the local provider's fault hook), the trainer killed during a weight sync.
+After each, recovery is the time until the trainer took its next step; the run fails if one
+takes longer than RECOVERY_BOUND_S. Every second the trainer's last step's staleness and each
+process's RSS are sampled. A process's memory is measured per incarnation (pid) from a
+baseline taken `--warmup-s` after it reported ready (a service's /admin/state, the engine's
+fleet entry), not while it imports torch and loads its model; its growth is the largest
+(last - baseline) over its incarnations, and the growth over the later half of its longest
+measured incarnation tells warm-up from a leak. At the end the faults stop, the run takes one more
+step and services/testing/fault_stack.py's audit compares the groups produced (Redis
+markers), still in the stream, trained (checkpoint) and dropped with reasons.
 
-Usage: python bench/soak.py [--minutes 5] [--seed 0] [--interval-s auto] [--dir D]
+Usage: python bench/soak.py [--minutes 5] [--seed 0] [--interval-s auto] [--warmup-s 15]
+                            [--dir D]
 Last line: {"produced": ..., "trained": ..., "dropped": {...}, "lost": 0, "duplicated": 0,
             "faults_injected": {...}, "recovery_s_max": ..., "staleness_max": ..., ...}
 """
@@ -23,6 +31,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,39 +50,94 @@ def fault_kinds(stack: FaultStack) -> dict[str, Callable[[], object]]:
         "trainer_sigkill": lambda: stack.kill("trainer"),
         "engine_sigkill": lambda: stack.kill("engine"),
         "engine_hang": lambda: stack.hang_engine(30.0),  # detected after ~18 s
-        "redis_restart": lambda: stack.kill("redis", signal.SIGTERM),
-        "sandbox_failures": lambda: stack.fail_sandboxes(5.0),
+        "redis_restart": lambda: stack.kill("redis", signal.SIGKILL),  # restarted on its AOF
+        "sandbox_failures": lambda: stack.fail_sandboxes(5.0),  # creation fails (returns count)
         "trainer_during_sync": lambda: stack.kill_trainer_during_sync(60.0),
     }
 
 
-class Sampler:
-    """Per-second samples: the trainer's staleness and every process's RSS (per pid)."""
+@dataclass
+class Incarnation:
+    """One pid of a process: when it was ready, its RSS baseline after the warm-up, its last."""
 
-    def __init__(self, stack: FaultStack) -> None:
+    ready_at: float | None = None
+    baseline_mb: float | None = None
+    last_mb: float | None = None
+    samples: int = 0
+    after_baseline: list[float] = field(default_factory=list)  # every sample from the baseline
+
+    @property
+    def second_half_growth_mb(self) -> float:
+        """Growth over the later half of its measured life: near 0 once caches are warm; a
+        leak keeps it growing."""
+        half = self.after_baseline[len(self.after_baseline) // 2:]
+        return half[-1] - half[0] if half else 0.0
+
+    @property
+    def growth_mb(self) -> float | None:
+        if self.baseline_mb is None or self.last_mb is None:
+            return None
+        return self.last_mb - self.baseline_mb
+
+
+class Sampler:
+    """Per-second samples: the trainer's staleness and every process's RSS (per pid, from a
+    baseline taken `warmup_s` after that pid reported ready)."""
+
+    def __init__(self, stack: FaultStack, warmup_s: float) -> None:
         self.stack = stack
+        self.warmup_s = warmup_s
         self.staleness_max = 0
-        self.rss: dict[str, dict[int, list[float]]] = {p: {} for p in PROCESSES}
+        self.rss: dict[str, dict[int, Incarnation]] = {p: {} for p in PROCESSES}
 
     def sample(self) -> None:
         last = self.stack.state("trainer").get("last_step") or {}
         self.staleness_max = max(self.staleness_max, int(last.get("staleness_max") or 0))
+        now = time.monotonic()
         for name in PROCESSES:
             pid = self.stack.pid(name)
-            if pid is not None and (mb := _rss_mb(pid)) is not None:
-                self.rss[name].setdefault(pid, []).append(mb)
+            if pid is None or (mb := _rss_mb(pid)) is None:
+                continue
+            inc = self.rss[name].setdefault(pid, Incarnation())
+            if inc.ready_at is None and self._ready(name, pid):
+                inc.ready_at = now
+            if inc.ready_at is None or now - inc.ready_at < self.warmup_s:
+                continue
+            if inc.baseline_mb is None:
+                inc.baseline_mb = mb
+            inc.last_mb, inc.samples = mb, inc.samples + 1
+            inc.after_baseline.append(mb)
+
+    def _ready(self, name: str, pid: int) -> bool:
+        if name == "redis":  # loads nothing: ready once it runs
+            return True
+        if name == "engine":  # this pid is the fleet's engine and it passed its checks
+            engines = self.stack.state("rollout").get("engines") or []
+            return any(e.get("pid") == pid and e.get("state") == "ready" for e in engines)
+        return self.stack.lifecycle(name) == "ready"
 
     def rss_report(self) -> dict[str, Any]:
-        """Per process: its longest-lived incarnation's first and last RSS and the growth."""
+        """Per process: the largest growth over its incarnations (last - baseline after
+        ready), that incarnation's baseline and last RSS, and how many were measured."""
         out: dict[str, Any] = {}
         for name, by_pid in self.rss.items():
-            if not by_pid:
+            measured = [i for i in by_pid.values() if i.growth_mb is not None]
+            if not measured:
+                out[name] = {"incarnations": len(by_pid), "measured": 0}
                 continue
-            longest = max(by_pid.values(), key=len)
-            out[name] = {"first_mb": round(longest[0], 1), "last_mb": round(longest[-1], 1),
-                         "growth_mb": round(longest[-1] - longest[0], 1),
-                         "samples": len(longest), "incarnations": len(by_pid)}
+            worst = max(measured, key=lambda i: i.growth_mb or 0.0)
+            out[name] = {"growth_mb": round(worst.growth_mb or 0.0, 1),
+                         "baseline_mb": round(worst.baseline_mb or 0.0, 1),
+                         "last_mb": round(worst.last_mb or 0.0, 1),
+                         "samples": worst.samples, "incarnations": len(by_pid),
+                         "longest_second_half_growth_mb": round(
+                             max(measured, key=lambda i: i.samples).second_half_growth_mb, 1),
+                         "measured": len(measured)}
         return out
+
+    def rss_growth_max_mb(self) -> float:
+        return max((i.growth_mb or 0.0 for by_pid in self.rss.values()
+                    for i in by_pid.values() if i.growth_mb is not None), default=0.0)
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -108,8 +172,10 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interval-s", type=float, default=None,
-                        help="time between faults (default: every kind once in the run)")
+                        help="time between fault starts (default: every kind once in the run)")
     parser.add_argument("--baseline-frac", type=float, default=0.15)
+    parser.add_argument("--warmup-s", type=float, default=15.0,
+                        help="seconds after a process reported ready before its RSS baseline")
     parser.add_argument("--dir", type=Path, default=None, help="run directory (default: temp)")
     args = parser.parse_args()
     run_dir = args.dir or Path(tempfile.mkdtemp(prefix="riptide-soak-"))
@@ -120,7 +186,7 @@ def main() -> None:
     stack.start()
     try:
         stack.wait_steps(1, 300)
-        sampler = Sampler(stack)
+        sampler = Sampler(stack, args.warmup_s)
         baseline_s = total_s * args.baseline_frac
         step0 = stack.step()
         _wait(stack, sampler, baseline_s)
@@ -130,18 +196,23 @@ def main() -> None:
         interval = args.interval_s or max(20.0, left / len(kinds))
         order: list[str] = []
         recoveries: dict[str, list[float]] = {}
+        failed_creations = 0
         fault_start_step = stack.step()
         fault_phase_start = time.monotonic()
+        slot = 0  # fault k starts at fault_phase_start + k * interval (at once if one overran)
         while time.monotonic() - started < total_s - 5:
             if not order:
                 order = list(kinds)
                 rng.shuffle(order)
             kind = order.pop()
             before = stack.step()
-            kinds[kind]()
+            outcome = kinds[kind]()
+            if kind == "sandbox_failures" and isinstance(outcome, int):
+                failed_creations += outcome
             recoveries.setdefault(kind, []).append(round(_recover(stack, sampler, before), 1))
-            _wait(stack, sampler, max(0.0, min(interval - 1, total_s - (time.monotonic()
-                                                                       - started) - 5)))
+            slot += 1
+            next_at = min(fault_phase_start + slot * interval, started + total_s - 5)
+            _wait(stack, sampler, max(0.0, next_at - time.monotonic()))
         fault_rate = (stack.step() - fault_start_step) / ((time.monotonic()
                                                            - fault_phase_start) / 60)
         stack.wait_steps(1, RECOVERY_BOUND_S)
@@ -154,11 +225,14 @@ def main() -> None:
         **{k: v for k, v in audit.as_dict().items() if k != "rollout_dropped"},
         "rollout_dropped_last_incarnation": audit.rollout_dropped,
         "faults_injected": {k: len(v) for k, v in recoveries.items()},
+        "every_kind_injected": set(recoveries) == set(kinds),
         "recovery_s": recoveries, "recovery_s_max": worst, "recovery_bound_s": RECOVERY_BOUND_S,
         "staleness_max": sampler.staleness_max, "staleness_bound": MAX_STALENESS,
         "steps_per_min_baseline": round(baseline_rate, 2),
         "steps_per_min_under_faults": round(fault_rate, 2),
-        "rss": sampler.rss_report(),
+        "sandbox_creations_failed": failed_creations,
+        "rss": sampler.rss_report(), "rss_growth_max_mb": round(sampler.rss_growth_max_mb(), 1),
+        "rss_warmup_s": args.warmup_s,
         "ok": audit.lost == [] and audit.duplicated == [] and worst <= RECOVERY_BOUND_S
         and sampler.staleness_max <= MAX_STALENESS,
     }

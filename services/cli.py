@@ -165,7 +165,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         if not config.engine.model_path:
             raise ConfigError(f"{args.config}: engine.model_path is required to serve an engine")
-        serve_engine(config.engine)
+        # The deployment's engine key guards this engine too, unless [engine] sets its own.
+        key = config.engine.api_key or config.run.engine_api_key
+        serve_engine(config.engine.model_copy(update={"api_key": key}))
         return 0
     if args.service == "trainer" and config.trainer.parallel.launcher == "external":
         from services.trainer.rank_env import launched_rank
@@ -330,9 +332,14 @@ def _eval(args: argparse.Namespace) -> int:
     engine_args = ["--dtype", args.engine_dtype]
     if args.engine_threads is not None:
         engine_args += ["--num-threads", str(args.engine_threads)]
-    with running_engine(model_dir, args.dir / "engine.log", extra_args=engine_args) as url:
+    import secrets
+
+    key = secrets.token_urlsafe(24)  # the engine answers this process only
+    with running_engine(model_dir, args.dir / "engine.log", extra_args=engine_args,
+                        api_key=key) as url:
         async def run() -> dict[str, object]:
-            model, provider = EngineModelClient(url), LocalProvider(LocalProviderConfig())
+            model = EngineModelClient(url, api_key=key)
+            provider = LocalProvider(LocalProviderConfig())
             try:
                 return await evaluate(
                     tasks, model, ChatFormat(load_tokenizer(str(model_dir))), provider, agent,

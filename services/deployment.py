@@ -79,7 +79,8 @@ def check_sampling_temperature(config: Any, source: str = "config") -> None:
 
 #: Environment variables that set the run's secrets, so they never need a command line
 #: (which every local user can read in /proc); they win over the file and --set.
-SECRET_ENV = {"RIPTIDE_ADMIN_TOKEN": "admin_token", "RIPTIDE_GRPC_TOKEN": "grpc_token"}
+SECRET_ENV = {"RIPTIDE_ADMIN_TOKEN": "admin_token", "RIPTIDE_GRPC_TOKEN": "grpc_token",
+              "RIPTIDE_ENGINE_API_KEY": "engine_api_key"}
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Any:

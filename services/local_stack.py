@@ -1,11 +1,12 @@
 """`riptide up`: Redis and the four services as child processes on loopback.
 
-Writes the stack's config into a run directory, starts redis-server (append-only, so the
-stream survives) and every service with `riptide serve` at once (each waits for the peers it
-calls, so start order does not matter), waits until every one is ready, then supervises them:
-a child that dies is restarted with backoff (services/common/supervision.py), and one that
-keeps dying stops the stack with a report. Everything stops (process groups, no orphans) on
-Ctrl-C, on SIGTERM, on such a give-up, or when the trainer reached `--steps` more steps.
+Writes the stack's config into a run directory, starts redis-server (append-only with an
+fsync per write, so the stream survives even a SIGKILL) and every service with `riptide
+serve` at once (each waits for the peers it calls, so start order does not matter), waits
+until every one is ready, then supervises them: a child that dies is restarted with backoff
+(services/common/supervision.py), and one that keeps dying stops the stack with a report.
+Everything stops (process groups, no orphans) on Ctrl-C, on SIGTERM, on such a give-up, or
+when the trainer reached `--steps` more steps.
 
 A run directory that already holds a checkpoint is resumed: the trainer continues from it and
 the stream in its Redis data; `riptide up` says which of the two it does. A config in the
@@ -50,7 +51,8 @@ MAX_STALENESS = 4
 
 def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Any:
     """A deployment config for one machine: loopback, free ports, fresh admin and gRPC tokens
-    (the file is the only place they are written: children read them from it, not argv).
+    and engine API key (the file is the only place they are written: children read them from
+    it, not argv; the fleet hands the key to its engines in their environment).
 
     `overrides` are merged at every depth (`{"trainer": {"model": {"hf_path": ...}}}` keeps
     the model's dtype); the trainer's sampling temperature follows the rollout's (deployment
@@ -58,7 +60,8 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
     ports = iter(free_ports(1 + 2 * len(SERVICE_ORDER)))
     data: dict[str, Any] = {
         "run": {"name": "local", "admin_token": secrets.token_urlsafe(24),
-                "grpc_token": secrets.token_urlsafe(24), "log_format": "json"},
+                "grpc_token": secrets.token_urlsafe(24),
+                "engine_api_key": secrets.token_urlsafe(24), "log_format": "json"},
         "redis": {"url": f"redis://127.0.0.1:{next(ports)}/0"},
     }
     for name in SERVICE_ORDER:
@@ -189,8 +192,7 @@ class LocalStack:
         port = self.redis_port()
         data_dir = self.run_dir / "redis"
         data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
-               "--save", "", "--appendonly", "yes", "--protected-mode", "yes"]
+        cmd = redis_command(binary, port, data_dir)
         self.supervisor.add("redis", lambda: process.spawn(cmd, log_path=self._log("redis")))
         deadline = time.monotonic() + 30.0
         while not _redis_pings(port):
@@ -266,6 +268,14 @@ def _http_ok(url: str) -> bool:
         return httpx.get(url, timeout=1.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def redis_command(binary: str, port: int, data_dir: Path) -> list[str]:
+    """The stack's redis-server: loopback, append-only, and an fsync of the log before each
+    reply, so a SIGKILL (or a host crash) loses no write Redis acknowledged."""
+    return [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
+            "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+            "--protected-mode", "yes"]
 
 
 def _reported_error(admin_url: str, token: str) -> str | None:

@@ -22,6 +22,7 @@ from services.common.engine_contract import (
     OLD_WEIGHT_VERSION,
     EngineContract,
     EngineLoad,
+    bearer,
     error_message,
     parse_loads,
     sglang_version_of,
@@ -63,9 +64,11 @@ class EngineClient:
 
     def __init__(self, timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
                  max_connections: int = 100,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 api_key: str | None = None) -> None:
+        # The engines' key (SGLang's --api-key) on every call, generation and control alike.
         self.http = httpx.AsyncClient(
-            transport=transport,
+            transport=transport, headers=bearer(api_key),
             limits=httpx.Limits(max_connections=max_connections,
                                 max_keepalive_connections=max_connections),
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))

@@ -19,6 +19,14 @@ MODEL_INFO = ("/model_info", "/get_model_info")
 SERVER_INFO = ("/server_info", "/get_server_info")
 LOADS = ("/v1/loads", "/get_load")
 OLD_WEIGHT_VERSION = "/get_weight_version"
+#: Where a launcher puts the key (SGLang's --api-key) of the built-in engine it starts, never
+#: on its command line, which every local user can read in /proc.
+API_KEY_ENV = "RIPTIDE_ENGINE_API_KEY"
+
+
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The header every client of an engine sends (none when no key is configured)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 @dataclass(frozen=True)

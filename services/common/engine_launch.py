@@ -6,6 +6,7 @@ itself (services/rollout/fleet.py).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -15,19 +16,23 @@ from pathlib import Path
 import httpx
 
 from services.common import process
+from services.common.engine_contract import API_KEY_ENV
 from services.common.errors import Unavailable
 
 
 @contextmanager
 def running_engine(model_path: Path, log_path: Path, timeout_s: float = 300.0,
-                   extra_args: list[str] | None = None) -> Iterator[str]:
-    """The URL of a healthy built-in engine serving `model_path`; stopped on exit."""
+                   extra_args: list[str] | None = None,
+                   api_key: str | None = None) -> Iterator[str]:
+    """The URL of a healthy built-in engine serving `model_path`, requiring `api_key` when
+    given (handed over in the environment, not argv); stopped on exit."""
     ready = log_path.with_suffix(".port")
     ready.unlink(missing_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     child = process.spawn([sys.executable, "-m", "services.engine", "--model", str(model_path),
                            "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
-                           *(extra_args or [])], log_path=log_path)
+                           *(extra_args or [])], log_path=log_path,
+                          env={**os.environ, API_KEY_ENV: api_key} if api_key else None)
     try:
         deadline = time.monotonic() + timeout_s
         url = ""

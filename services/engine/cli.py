@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
+from services.common.engine_contract import API_KEY_ENV
 from services.engine.config import EngineConfig
 
 # flag -> EngineConfig field; SGLang's spellings are accepted as aliases.
@@ -15,6 +17,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "tokenizer_path": ("--tokenizer-path",),
     "host": ("--host",),
     "port": ("--port",),
+    "api_key": ("--api-key",),
     "dp_size": ("--dp-size", "--dp"),
     "max_running_requests": ("--max-running-requests",),
     "max_total_num_tokens": ("--max-total-tokens", "--max-total-num-tokens"),
@@ -56,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, str | None]
     if args.config:
         values = dict(read_config_file(args.config).get("engine", {}))
         validate_section(EngineConfig, values, f"{args.config} [engine]")
+    if os.environ.get(API_KEY_ENV):  # a launcher's way: not on the command line
+        values["api_key"] = os.environ[API_KEY_ENV]
     values.update({f: getattr(args, f) for f in _FLAGS if getattr(args, f) is not None})
     config = validate_section(EngineConfig, values, "engine")
     if not config.model_path:

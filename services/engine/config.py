@@ -14,6 +14,11 @@ class EngineConfig(StrictModel):
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(30000, ge=0, le=65535, description="HTTP port of the SGLang-compatible API")
+    api_key: str | None = Field(
+        None, min_length=8, repr=False,
+        description="bearer key every request but /health* and /metrics must carry, as "
+        "SGLang's --api-key (None: open); best set through RIPTIDE_ENGINE_API_KEY, which keeps "
+        "it off the command line")
     model_path: str | None = Field(
         None, description="Hugging Face causal LM folder (None: the engine cannot start)"
     )

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.errors import InvalidRequest, RiptideError
+from services.engine.api_key import ApiKeyGuard
 from services.engine.engine import PAUSE_MODES, Engine
 from services.engine.generate_io import build_response, parse_generate
 from services.engine.info_routes import add_info_routes, read_json
@@ -31,8 +32,10 @@ log = logging.getLogger(__name__)
 
 
 def create_app(engine: Engine) -> FastAPI:
-    """The FastAPI app serving `engine`."""
+    """The FastAPI app serving `engine` (behind its API key when one is set)."""
     app = FastAPI(title="riptide built-in engine")
+    if engine.config.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=engine.config.api_key)
     updater = WeightUpdater(engine.runner, engine.config.weight_update_timeout_s)
     app.state.engine, app.state.updater = engine, updater
     in_flight: set[str] = set()  # rids of requests running now (SGLang refuses a second one)

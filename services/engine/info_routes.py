@@ -62,7 +62,7 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
     async def server_info() -> dict[str, Any]:
         states = await engine.run(engine.server_state)
         return {
-            **cfg.model_dump(),
+            **cfg.model_dump(exclude={"api_key"}),  # a secret: never in an answer
             "model_path": cfg.model_path,
             "served_model_name": engine.model_name,
             "tp_size": 1,

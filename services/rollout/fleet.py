@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -28,7 +30,7 @@ from services.common.errors import Unavailable
 from services.common.ports import free_ports
 from services.rollout.config import FleetConfig
 from services.rollout.router_link import RouterLink
-from services.rollout.sglang_command import engine_command, ranks_per_engine
+from services.rollout.sglang_command import engine_command, keyed_launch, ranks_per_engine
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,10 @@ class EngineFleet:
     """Launches or attaches the configured engines and supervises them."""
 
     def __init__(self, config: FleetConfig, client: EngineClient, router: RouterLink,
-                 weight_version: int) -> None:
+                 weight_version: int, api_key: str | None = None) -> None:
         self.config = config
+        self.api_key = api_key  # every launched engine requires it (the client sends it)
+        self._secrets_dir: Path | None = None
         self.client = client
         self.router = router
         self.initial_version = weight_version
@@ -102,13 +106,19 @@ class EngineFleet:
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(asyncio.to_thread(process.stop, m.proc, 10.0)
                                for m in self.members if m.proc is not None))
+        if self._secrets_dir is not None:
+            shutil.rmtree(self._secrets_dir, ignore_errors=True)
 
     def _spawn(self, member: EngineMember) -> None:
         cmd = engine_command(self.config, self.config.engine_host, member.port,
                              self.initial_version)
+        if self.api_key and self._secrets_dir is None:
+            self._secrets_dir = Path(tempfile.mkdtemp(prefix="riptide-engine-keys-"))
+        extra, env = keyed_launch(self.config, self.api_key, self._secrets_dir or Path(),
+                                  member.index)
         log_dir = self.config.log_dir
         log_path = Path(log_dir) / f"engine-{member.index}.log" if log_dir else None
-        member.proc = process.spawn(cmd, log_path=log_path)
+        member.proc = process.spawn([*cmd, *extra], log_path=log_path, env=env)
         member.state = "starting"
         log.info("started engine %s (pid %d)", member.url, member.proc.pid)
 

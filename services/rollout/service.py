@@ -55,16 +55,16 @@ class RolloutRuntime(ServiceRuntime):
 
     def __init__(self, config: RolloutConfig, redis: RedisConfig, run_name: str,
                  sandbox_address: str, router_address: str, grpc_token: str | None,
-                 events: EventsConfig | None = None) -> None:
+                 events: EventsConfig | None = None, engine_api_key: str | None = None) -> None:
         super().__init__()
         self.config = config
         self.tunable = config.scheduler
         self._redis, self._run_name, self._token = redis, run_name, grpc_token
         self._sandbox_address, self._router_address = sandbox_address, router_address
-        self.engines = EngineClient(config.weight_update.step_timeout_s)
+        self.engines = EngineClient(config.weight_update.step_timeout_s, api_key=engine_api_key)
         self._router_channel: grpc.aio.Channel | None = None  # made on the serving loop
         self.fleet = EngineFleet(config.fleet, self.engines, NoRouter(),
-                                 config.weight_update.initial_weight_version)
+                                 config.weight_update.initial_weight_version, engine_api_key)
         self.events = RolloutEvents(EventPublisher(redis.url, run_name, "rollout",
                                                    events or EventsConfig()))
         self.coordinator = WeightUpdateCoordinator(self.fleet, config.weight_update,

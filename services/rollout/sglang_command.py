@@ -1,9 +1,16 @@
-"""Command lines of the engines the fleet launches: SGLang's server or the built-in engine."""
+"""Command lines of the engines the fleet launches: SGLang's server or the built-in engine,
+and how each receives its API key without it showing on the command line (every local user
+can read those in /proc): the built-in engine from an environment variable, SGLang from a
+private `--config` YAML file (SGLang reads every server flag from one)."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
 
+from services.common.engine_contract import API_KEY_ENV
 from services.rollout.config import FleetConfig, SGLangConfig
 
 
@@ -56,3 +63,18 @@ def engine_command(config: FleetConfig, host: str, port: int, weight_version: in
 def ranks_per_engine(config: FleetConfig) -> int:
     """Weight-update ranks of one launched engine (SGLang: one per tensor-parallel rank)."""
     return config.sglang.tp_size if config.kind == "sglang" else 1
+
+
+def keyed_launch(config: FleetConfig, api_key: str | None, secrets_dir: Path,
+                 index: int) -> tuple[list[str], dict[str, str] | None]:
+    """(extra arguments, environment) that hand engine `index` its API key; nothing without
+    one. SGLang's file lives in `secrets_dir`, readable by this user only."""
+    if not api_key:
+        return [], None
+    if config.kind == "sglang":
+        path = secrets_dir / f"engine-{index}.yaml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"api-key: {json.dumps(api_key)}\n")  # a JSON string is YAML too
+        return ["--config", str(path)], None
+    return [], {**os.environ, API_KEY_ENV: api_key}

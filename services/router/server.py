@@ -34,13 +34,14 @@ class RouterRuntime(ServiceRuntime):
     name = "router"
     tunable_fields = TUNABLE_FIELDS
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, engine_api_key: str | None = None) -> None:
         super().__init__()
         self.config = config
         self.tunable = config
         self.client = EngineClient(timeout_s=config.generate_timeout_s,
                                    connect_timeout_s=config.connect_timeout_s,
-                                   max_connections=config.max_connections)
+                                   max_connections=config.max_connections,
+                                   api_key=engine_api_key)
         self.registry = EngineRegistry(self.client, config.initial_weight_version,
                                        probe_timeout_s=config.health_timeout_s)
         self.health = HealthChecker(self.registry, config)
@@ -141,4 +142,4 @@ class RouterRuntime(ServiceRuntime):
 
 def build_runtime(deployment_config: Any) -> RouterRuntime:
     """The router runtime for the deployment's [router] section."""
-    return RouterRuntime(deployment_config.router)
+    return RouterRuntime(deployment_config.router, deployment_config.run.engine_api_key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 
 from services._proto.riptide.v1 import common_pb2
+from services.common.engine_contract import bearer
 from services.common.errors import Unavailable
 from services.common.sampling_params import sampling_params
 from services.sandbox.model_client import GenerateResult
@@ -17,8 +18,9 @@ from services.sandbox.model_client import GenerateResult
 class EngineModelClient:
     """`POST {url}/generate` with the episode's token ids; log-probs requested."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
-        self._client = httpx.AsyncClient(base_url=url, timeout=timeout_s)
+    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
+        self._client = httpx.AsyncClient(base_url=url, timeout=timeout_s,
+                                         headers=bearer(api_key))
 
     async def generate(self, session_key: str, input_ids: list[int],
                        sampling: common_pb2.SamplingParams) -> GenerateResult:

@@ -69,7 +69,7 @@ def render_config(config: Any) -> str:
 
 
 def _mask_secrets(text: str, run: Any) -> str:
-    for name in ("admin_token", "grpc_token"):
+    for name in ("admin_token", "grpc_token", "engine_api_key"):
         secret = getattr(run, name)
         if secret:
             text = text.replace(secret, f"<{name.replace('_', ' ')}>")

@@ -25,11 +25,12 @@ class ChildServer:
     name = "server"
     stop_grace_s = 5.0
 
-    def __init__(self, cmd: list[str], start_timeout_s: float) -> None:
+    def __init__(self, cmd: list[str], start_timeout_s: float,
+                 env: dict[str, str] | None = None) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix=f"riptide-{self.name}-"))
         ready = self._dir / "port"
         self.proc = process.spawn([*cmd, "--ready-file", str(ready)],
-                                  log_path=self._dir / f"{self.name}.log", cwd=REPO)
+                                  log_path=self._dir / f"{self.name}.log", cwd=REPO, env=env)
         self.deadline = time.monotonic() + start_timeout_s
         # The child writes the file in one call, but it may be seen empty before the write.
         while not ready.exists() or not ready.read_text().strip():

@@ -6,6 +6,7 @@ Used by the engine's integration tests, the router's and rollout's tests, and be
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from services.common.engine_contract import API_KEY_ENV, bearer
 from services.testing.child_server import ChildServer
 
 
@@ -49,13 +51,17 @@ class EngineProcess(ChildServer):
         dp_size: int = 1,
         extra_args: list[str] | None = None,
         start_timeout_s: float = 120.0,
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: the engine requires it (given through its environment, as the fleet
+        does) and `client` sends it."""
         self.model_path = Path(model_path)
         cmd = [sys.executable, "-m", "services.engine", "--model", str(model_path),
                "--host", "127.0.0.1", "--port", "0", "--dp-size", str(dp_size),
                *(extra_args or [])]
-        super().__init__(cmd, start_timeout_s)
-        self.client = httpx.Client(base_url=self.url, timeout=120)
+        env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
+        super().__init__(cmd, start_timeout_s, env)
+        self.client = httpx.Client(base_url=self.url, timeout=120, headers=bearer(api_key))
         while self.client.get("/health").status_code != 200:
             self.check_starting("not healthy")
             time.sleep(0.05)

@@ -2,9 +2,10 @@
 
 `FaultStack` runs `riptide up --dir D --config D/config.toml` as a child (the real stack:
 Redis, four services, the engine), finds each process by its command line, and injects
-faults: SIGKILL of a service or the engine, a Redis restart, a hung engine (SIGSTOP), failing
-sandboxes (the sandbox's bubblewrap is a wrapper that fails while a flag file exists), a
-trainer killed during a weight sync. `audit()` compares the group ids produced (the Redis
+faults: SIGKILL of a service, the engine or Redis (append-only, fsync on every write, so the
+supervisor's restart finds every acknowledged write), a hung engine (SIGSTOP), failing sandbox
+creation (the local provider's `fail_create_while` flag file: creates fail as on an unhealthy
+host), a trainer killed during a weight sync. `audit()` compares the group ids produced (the Redis
 dedup markers: every group written to the stream), still in the stream, trained (the newest
 checkpoint) and dropped with a reason, and counts lost and duplicated groups. Used by
 tests/faults and bench/soak.py.
@@ -33,11 +34,6 @@ from services.local_stack import MAX_STALENESS, ensure_tiny_model, local_config
 from services.testing.proc_tree import descendants
 
 SERVICES = ("router", "sandbox", "trainer", "rollout")
-_WRAPPER = """#!/bin/sh
-# bubblewrap that fails while the flag file exists (an unhealthy sandbox host)
-if [ -e "{flag}" ]; then echo "injected sandbox failure" >&2; exit 1; fi
-exec {bwrap} "$@"
-"""
 
 
 @dataclass
@@ -82,14 +78,10 @@ class FaultStack:
     def __init__(self, run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        run_dir.chmod(0o755)  # sandboxes run bubblewrap (the wrapper) under their own uids
         ensure_tiny_model(run_dir)
-        self.flag = run_dir / "fail-sandboxes"
-        wrapper = run_dir / "bwrap-flaky"
-        wrapper.write_text(_WRAPPER.format(flag=self.flag, bwrap="/usr/bin/bwrap"))
-        wrapper.chmod(0o755)
+        self.flag = run_dir / "fail-sandbox-creation"
         settings: dict[str, dict[str, Any]] = {
-            "sandbox": {"provider": {"type": "local", "bwrap_path": str(wrapper)}},
+            "sandbox": {"provider": {"type": "local", "fail_create_while": str(self.flag)}},
         }
         for section, values in (fault_settings(run_dir) if overrides is None
                                 else overrides).items():
@@ -213,12 +205,24 @@ class FaultStack:
             pass
         return pid
 
-    def fail_sandboxes(self, seconds: float) -> None:
-        """Every sandbox command fails for `seconds`."""
+    def fail_sandboxes(self, seconds: float, until_one_s: float = 90.0) -> int:
+        """Every sandbox creation fails for `seconds`, and on until one creation did fail (at
+        most `until_one_s` more: the rollout may be waiting on the trainer, creating none).
+        Returns the creations that failed meanwhile, as the sandbox service counted them."""
+        def failures() -> int:
+            return int(self.state("sandbox").get("create_failures") or 0)
+
+        before = failures()
         self.flag.touch()
-        self.faults["sandbox:failing"] += 1
-        time.sleep(seconds)
-        self.flag.unlink(missing_ok=True)
+        self.faults["sandbox:create_failing"] += 1
+        try:
+            time.sleep(seconds)
+            deadline = time.monotonic() + until_one_s
+            while failures() <= before and time.monotonic() < deadline:
+                time.sleep(0.25)
+        finally:
+            self.flag.unlink(missing_ok=True)
+        return failures() - before
 
     def kill_trainer_during_sync(self, timeout_s: float = 120.0) -> bool:
         """SIGKILL the trainer while a weight update is in progress; False if none was seen

@@ -41,13 +41,14 @@ class TrainerRuntime(ServiceRuntime):
 
     def __init__(
         self, config: TrainerConfig, redis: RedisConfig, run_name: str, grpc_token: str | None,
-        events: EventsConfig | None = None,
+        events: EventsConfig | None = None, engine_api_key: str | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.redis = redis
         self.run_name = run_name
         self.grpc_token = grpc_token
+        self.engine_api_key = engine_api_key  # weight_sync.mode = "direct" posts to engines
         self.events = EventPublisher(redis.url, run_name, "trainer", events or EventsConfig())
         self.stats = TrainerStats()
         self.eval_follower = EvalFollower(redis.url, run_name, self.stats)
@@ -154,7 +155,7 @@ class TrainerRuntime(ServiceRuntime):
             c.pad_token_id, c.packed_sequences,
         )  # fmt: skip
         weight_sync = self._weight_sync = build_weight_sync(
-            c.weight_sync, built.backend, self.grpc_token
+            c.weight_sync, built.backend, self.grpc_token, self.engine_api_key
         )
         sync = None
         if weight_sync is not None:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from services.common.engine_contract import SERVER_INFO
+from services.common.engine_contract import SERVER_INFO, bearer
 from services.common.errors import Conflict, Unavailable
 from services.trainer.convert import iter_hf_buckets
 from services.trainer.model import ModelShape
@@ -124,12 +124,13 @@ def _count(bucket: Bucket) -> tuple[int, int]:
 class DirectEngineWeightSync(_SyncBase):
     """Rank 0 posts SGLang's weight-update endpoints of every engine itself."""
 
-    def __init__(self, config: WeightSyncConfig, backend: str) -> None:
+    def __init__(self, config: WeightSyncConfig, backend: str,
+                 api_key: str | None = None) -> None:
         super().__init__(config, backend)
         import httpx
 
         self.urls = [u.rstrip("/") for u in config.engine_urls]
-        self.http = httpx.Client(timeout=config.timeout_s)
+        self.http = httpx.Client(timeout=config.timeout_s, headers=bearer(api_key))
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)))
         self.engine_group: str | None = None
 
@@ -305,11 +306,12 @@ class RolloutWeightSync(_SyncBase):
 
 
 def build_weight_sync(
-    config: WeightSyncConfig, backend: str, token: str | None = None
+    config: WeightSyncConfig, backend: str, token: str | None = None,
+    engine_api_key: str | None = None,
 ) -> WeightSync | None:
     """The weight sync the config asks for (None when mode is off)."""
     if config.mode == "off":
         return None
     if config.mode == "direct":
-        return DirectEngineWeightSync(config, backend)
+        return DirectEngineWeightSync(config, backend, engine_api_key)
     return RolloutWeightSync(config, backend, token)

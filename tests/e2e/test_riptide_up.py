@@ -56,6 +56,7 @@ def test_up_serves_all_services_and_ctrl_c_leaves_nothing(tmp_path: Path) -> Non
             assert httpx.get(f"{section.admin_url}/admin/state").status_code == 401, name
             state = httpx.get(f"{section.admin_url}/admin/state", headers=token)
             assert state.status_code == 200 and state.json()["service"] == name
+        _engines_need_their_key(config, token, up.pid)
 
         status = subprocess.run(
             [
@@ -81,6 +82,26 @@ def test_up_serves_all_services_and_ctrl_c_leaves_nothing(tmp_path: Path) -> Non
         assert "[up] stopped" in log.read_text()
     finally:
         process.stop(up)
+
+
+def _engines_need_their_key(config: object, token: dict[str, str], up_pid: int) -> None:
+    """The fleet's engine answers only the stack's generated key (SGLang's 401 otherwise),
+    and no process has it, or any other secret, on its command line."""
+    run = config.run  # type: ignore[attr-defined]
+    state = httpx.get(f"{config.rollout.admin_url}/admin/state",  # type: ignore[attr-defined]
+                      headers=token).json()
+    url = state["details"]["engines"][0]["url"]
+    refused = httpx.get(f"{url}/model_info", timeout=10)
+    assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
+    key = {"Authorization": f"Bearer {run.engine_api_key}"}
+    assert httpx.get(f"{url}/model_info", headers=key, timeout=10).status_code == 200
+    for pid in descendants(up_pid) | {up_pid}:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        for secret in (run.engine_api_key, run.grpc_token, run.admin_token):
+            assert secret not in argv, f"a secret on the command line of pid {pid}"
 
 
 def test_up_without_redis_says_how_to_install_it(tmp_path: Path) -> None:

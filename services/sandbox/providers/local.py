@@ -69,6 +69,9 @@ class LocalProviderConfig(StrictModel):
     pin_cpus: bool = Field(True, description="pin each sandbox to the task's number of CPUs")
     uid_base: int = Field(620000, ge=1000, description="first host uid of sandboxes (as root)")
     num_uids: int = Field(4096, ge=1, description="host uids reserved for sandboxes (as root)")
+    fail_create_while: Path | None = Field(
+        None, description="fault injection (the fault suite, bench/soak.py): while this file "
+        "exists every sandbox creation fails, as on an unhealthy host (None: off)")
 
 
 @dataclass
@@ -195,6 +198,9 @@ class LocalProvider(SandboxProvider):
     async def create(self, task: Task,
                      labels: Mapping[str, str] | None = None) -> SandboxHandle:
         start = time.monotonic()
+        injected = self.config.fail_create_while
+        if injected is not None and injected.exists():
+            raise SandboxError(f"sandbox creation failed: injected fault ({injected} exists)")
         plan = self._plans.get(task.path)
         if plan is None:
             plan = self._plans[task.path] = local_tree.copy_plan(task, self._ro_binds)

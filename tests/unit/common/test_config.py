@@ -72,5 +72,7 @@ def test_secrets_come_from_the_environment_over_the_file(
     path.write_text(MINIMAL)
     monkeypatch.setenv("RIPTIDE_ADMIN_TOKEN", "admin-from-env")
     monkeypatch.setenv("RIPTIDE_GRPC_TOKEN", "grpc-from-env")
+    monkeypatch.setenv("RIPTIDE_ENGINE_API_KEY", "engine-from-env")
     config = load_config(path)
     assert (config.run.admin_token, config.run.grpc_token) == ("admin-from-env", "grpc-from-env")
+    assert config.run.engine_api_key == "engine-from-env"

@@ -209,3 +209,24 @@ def test_an_engine_that_comes_back_older_is_learned_again() -> None:
         return await engines.weight_version(URL), engines.contracts[URL].mode
 
     assert run(go()) == ("3", "deprecated")
+
+
+def test_every_call_carries_the_engines_key() -> None:
+    headers: list[str | None] = []
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        headers.append(request.headers.get("authorization"))
+        return httpx.Response(200, json={"text": "", "meta_info": {}})
+
+    async def go(api_key: str | None) -> None:
+        engines = EngineClient(transport=httpx.MockTransport(answer), api_key=api_key)
+        await engines.generate(URL, {"input_ids": [1]})
+        await engines.pause(URL, "retract")
+        await engines.healthy(URL)
+        await engines.close()
+
+    run(go("the-engine-key"))
+    assert headers == ["Bearer the-engine-key"] * 3
+    headers.clear()
+    run(go(None))
+    assert headers == [None] * 3

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import stat
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from services.common.engine_contract import API_KEY_ENV
 from services.rollout.config import FleetConfig, SGLangConfig
-from services.rollout.sglang_command import engine_command, ranks_per_engine, sglang_command
+from services.rollout.sglang_command import (
+    engine_command,
+    keyed_launch,
+    ranks_per_engine,
+    sglang_command,
+)
 
 
 def _flags(cmd: list[str]) -> dict[str, str | None]:
@@ -65,3 +73,22 @@ def test_config_errors_say_how_to_fix() -> None:
         FleetConfig(kind="sglang", num_engines=2)
     with pytest.raises(ValidationError, match="attach_urls"):
         FleetConfig(kind="attach")
+
+
+KEY = "an-engine-key-0123"
+
+
+def test_the_api_key_never_goes_on_a_command_line(tmp_path: Path) -> None:
+    builtin = FleetConfig(kind="builtin", model_path="/m")
+    args, env = keyed_launch(builtin, KEY, tmp_path, 0)
+    assert args == [] and env is not None and env[API_KEY_ENV] == KEY
+    assert KEY not in " ".join(engine_command(builtin, "127.0.0.1", 30000, 0))
+
+    sglang = FleetConfig(kind="sglang", model_path="/m")
+    args, env = keyed_launch(sglang, KEY, tmp_path, 3)
+    assert env is None and args[0] == "--config" and KEY not in " ".join(args)
+    path = Path(args[1])
+    assert path.read_text() == f'api-key: "{KEY}"\n'  # SGLang's --config YAML spelling
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+    assert keyed_launch(sglang, None, tmp_path, 0) == ([], None)
