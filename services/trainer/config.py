@@ -113,6 +113,10 @@ class TrainerConfig(ServiceConfig):
         1000, ge=1, description="longest single blocking stream read (stop is checked between)"
     )
     pad_token_id: int = Field(0, ge=0, description="token id used to right-pad rows")
+    cpu_threads: int = Field(
+        0, ge=0, le=1024,
+        description="torch CPU threads of each rank (0: torch's default, one per core); on a "
+        "machine it shares with engines, threads beyond the cores left to it only spin")
     sampling_temperature: float = Field(
         1.0, gt=0, description="the engines' sampling temperature: log-probs are of logits / T, "
         "as the engines report them (a deployment file sets it to rollout.scheduler.temperature "

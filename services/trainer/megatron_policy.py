@@ -155,6 +155,10 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
     )
     from services.trainer.logprobs import token_logprobs
 
+    if config.cpu_threads:
+        import torch
+
+        torch.set_num_threads(config.cpu_threads)
     model, shape, layout, backend = build_model(config, ranks)
     opt = config.optimizer
     state_dir = opt.stream_optimizer_state_to_disk
