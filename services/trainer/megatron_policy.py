@@ -11,6 +11,7 @@ Called by service.py; tests call it for the real-model paths.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,8 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
     clip = clip_model_parallel_grad_norm if layout.world_size > 1 else None
     grad_sync = all_reduce_data_parallel_grads if layout.world_size > 1 else None
     logprob_fn: Any = token_logprobs  # cp_token_logprobs under CP (no packed rows there)
+    if not config.model.fused_output_logprobs:
+        logprob_fn = functools.partial(token_logprobs, fused=False)
     if layout.cp_size > 1:
         from services.trainer.context_parallel import cp_token_logprobs
 
