@@ -15,8 +15,8 @@ training step over the same token rows for both sides:
   transformers gets right-padded rows, 4 a micro-batch, longest first (padding computed).
 
 The trainer side is its own path: `build_gpt_model` (fused attention) -> `MasterAdam` on the
-GPU -> `step.train_step` (clipped PG loss, the output layer fused into chunked log-probs
-unless `--no-fused-output`, one minibatch). The baseline:
+GPU -> `step.train_step` (clipped PG loss, chunked log-probs, with `--fused-output on` the
+output layer fused into them, one minibatch). The baseline:
 `AutoModelForCausalLM.from_config(attn_implementation="sdpa")` in bf16, per-token log-probs
 from log_softmax of the fp32 logits, the same `policy_loss`, grad clipping and
 `torch.optim.AdamW(fused=True)`. Each side runs in its own process (clean peak memory), one
@@ -27,7 +27,7 @@ and the output layer; the causal attention's fwd+bwd; recomputation not counted)
 The last line printed is the JSON summary.
 
     python bench/trainer_gpu.py [--shapes 0.5b,1.5b] [--cases row2048,row8192,row32768,packed,mixed]
-        [--steps 3] [--no-fused-output]
+        [--steps 3] [--fused-output auto|on|off]
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _micro_batch(seqs: list[Any], packed: bool) -> Any:
     return MicroBatch(ids, mask, torch.full(ids.shape, -3.0, device=ids.device), adv, lengths, cu)
 
 
-def run_trainer(shape: str, cases: list[str], steps: int, fused_output: bool = True
+def run_trainer(shape: str, cases: list[str], steps: int, fused_output: str = "auto"
                 ) -> dict[str, Any]:  # fmt: skip
     import functools
 
@@ -193,8 +193,8 @@ def run_trainer(shape: str, cases: list[str], steps: int, fused_output: bool = T
     model = build_gpt_model(model_shape, dtype="bfloat16", attention="fused")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = MasterAdam([p for _, p in named], lr=1e-6, no_decay=megatron_no_decay(named))
-    policy = ModelPolicy(model, optimizer, functools.partial(token_logprobs, fused=fused_output),
-                         1.0)  # fmt: skip
+    fused = None if fused_output == "auto" else fused_output == "on"
+    policy = ModelPolicy(model, optimizer, functools.partial(token_logprobs, fused=fused), 1.0)
     config = model.config
     out: dict[str, Any] = {}
     for case in cases:
@@ -345,7 +345,7 @@ def fused_output_check() -> dict[str, Any]:
 def child(args: argparse.Namespace) -> None:
     cases = args.cases.split(",")
     if args.child == "trainer":
-        out = run_trainer(args.shape, cases, args.steps, not args.no_fused_output)
+        out = run_trainer(args.shape, cases, args.steps, args.fused_output)
     else:
         out = run_hf(args.shape, cases, args.steps)
     print(json.dumps(out), flush=True)
@@ -358,9 +358,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--child", choices=["trainer", "hf"])
     parser.add_argument("--shape", default="0.5b")
-    parser.add_argument("--no-fused-output", action="store_true",
-                        help="the trainer keeps whole logits ([trainer.model]"
-                        " fused_output_logprobs = false)")
+    parser.add_argument("--fused-output", choices=["auto", "on", "off"], default="auto",
+                        help="[trainer.model] fused_output_logprobs (auto: off on a GPU)")
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -368,7 +367,7 @@ def main() -> None:
     import torch
 
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "fused_output_logprobs": not args.no_fused_output,
+                               "fused_output_logprobs": args.fused_output,
                                "mfu_formula": "(6*N_mm*tokens + 6*L*heads*head_dim*sum(S^2))"
                                f" / step_s / {PEAK_FLOPS:.0f}", "shapes": {}}  # fmt: skip
     results["optimizer_check"] = optimizer_check()
@@ -380,7 +379,7 @@ def main() -> None:
         for side in ("trainer", "hf"):
             cmd = [sys.executable, __file__, "--child", side, "--shape", shape,
                    "--cases", args.cases, "--steps", str(args.steps)]  # fmt: skip
-            cmd += ["--no-fused-output"] * (side == "trainer" and args.no_fused_output)
+            cmd += ["--fused-output", args.fused_output]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = proc.stdout.strip().splitlines()
             if proc.returncode or not lines:

@@ -7,8 +7,10 @@ ids, random advantages, every token in the loss). Each variant runs in its own p
 reports its peak resident set (ru_maxrss) after the step, the RSS after loading the model
 and optimizer (what the step adds is the difference), and the step's wall time:
 
-- `unfused`: logits [tokens, vocab] from the output layer, then chunked log-probs;
-- `fused`: the output layer inside the log-prob chunks (fused_output.py), the default.
+- `unfused`: logits [tokens, vocab] from the output layer, then chunked log-probs
+  (`[trainer.model] fused_output_logprobs = "off"`);
+- `fused`: the output layer inside the log-prob chunks (fused_output.py; "on", what "auto"
+  picks on the CPU).
 
 `--micro-tokens`, `--packed` and `--recompute` set the trainer's max_tokens_per_microbatch,
 packed_sequences and full/uniform/1 recomputation. The last line printed is the JSON.
@@ -40,19 +42,17 @@ def _rss_gib() -> float:
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
-    import functools
-
     import torch
 
     from services.trainer.batch import RolloutBatch, sequence_micro_batches
     from services.trainer.config import TrainerConfig
-    from services.trainer.logprobs import token_logprobs
     from services.trainer.loss import LossSettings
     from services.trainer.megatron_policy import build_policy
     from services.trainer.step import train_step
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model: dict[str, Any] = {"hf_path": str(args.model), "dtype": args.dtype}
+    model: dict[str, Any] = {"hf_path": str(args.model), "dtype": args.dtype,
+                             "fused_output_logprobs": "on" if args.variant == "fused" else "off"}
     if args.recompute:
         model |= {"recompute_granularity": "full", "recompute_method": "uniform",
                   "recompute_num_layers": 1}  # fmt: skip
@@ -60,8 +60,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                            packed_sequences=args.packed)  # fmt: skip
     built = build_policy(config)
     policy = built.policy
-    if args.variant == "unfused":
-        policy.logprob_fn = functools.partial(token_logprobs, fused=False)
     loaded = _rss_gib()
     gen = torch.Generator().manual_seed(0)
     vocab = built.shape.vocab_size

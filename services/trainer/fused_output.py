@@ -120,6 +120,11 @@ def hidden_logprobs(
     return _HiddenLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk))  # type: ignore[no-any-return]
 
 
+def on_cuda(model: Any) -> bool:
+    """Whether `model`'s parameters live on a GPU."""
+    return any(p.is_cuda for p in model.parameters())
+
+
 def fusable(model: Any) -> bool:
     """Whether `model`'s logits can be fused into the log-probs: the last pipeline stage of a
     GPT model whose output layer is one plain vocab-parallel linear (no MTP heads)."""

@@ -130,15 +130,18 @@ def stage_logprobs(
 
 def token_logprobs(
     model: Any, input_ids: torch.Tensor, temperature: float = 1.0, cu_seqlens: CuSeqlens = None,
-    fused: bool = True,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Log-probs [B, S] of right-padded rows `input_ids` [B, S] (padding only to the right,
     so it never affects the real tokens under causal attention), or of one packed row [1, T]
     with boundaries `cu_seqlens`. With `fused` (and a model whose output layer allows it) the
     output layer runs inside the log-prob chunks (fused_output.py): no [tokens, vocab]
-    logits are kept for the backward."""
+    logits are kept for the backward. None: fused where the model is off the GPU (host RAM
+    is what runs short there; on a GPU the recomputed chunk costs more than it saves)."""
     from services.trainer import fused_output
 
+    if fused is None:
+        fused = not fused_output.on_cuda(model)
     if not (fused and fused_output.fusable(model)):
         logits = forward_logits(model, input_ids, cu_seqlens)
         return token_logprobs_from_logits(logits, input_ids, temperature, cu_seqlens)

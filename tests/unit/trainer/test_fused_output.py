@@ -70,3 +70,23 @@ def test_model_logprobs_and_grads_equal_unfused(tied: bool) -> None:
         for name, grad in want_grads.items():
             torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     assert "forward" not in vars(model.output_layer)  # the swap is undone
+
+
+def test_auto_fuses_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.trainer import fused_output
+
+    hf = random_hf_model("qwen2")
+    shape = ModelShape.from_hf(hf.config)
+    model = build_gpt_model(shape)
+    calls: list[int] = []
+    real = fused_output.hidden_logprobs
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused_output, "hidden_logprobs", spy)
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    token_logprobs(model, ids)  # auto, on the CPU: fused
+    token_logprobs(model, ids, fused=False)
+    assert calls == [1]
