@@ -12,8 +12,9 @@ and optimizer (what the step adds is the difference), and the step's wall time:
 - `fused`: the output layer inside the log-prob chunks (fused_output.py; "on", what "auto"
   picks on the CPU).
 
-`--micro-tokens`, `--packed` and `--recompute` set the trainer's max_tokens_per_microbatch,
-packed_sequences and full/uniform/1 recomputation. The last line printed is the JSON.
+`--micro-tokens`, `--packed`, `--recompute` and `--optimizer-on-disk` set the trainer's
+max_tokens_per_microbatch, packed_sequences, full/uniform/1 recomputation and
+stream_optimizer_state_to_disk (a temporary folder). The last line printed is the JSON.
 
     python bench/trainer_memory.py --model DIR [--variants unfused,fused] [--rows 16]
 """
@@ -42,6 +43,17 @@ def _rss_gib() -> float:
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
+    import shutil
+    import tempfile
+
+    state_dir = tempfile.mkdtemp(prefix="adam-state-")
+    try:
+        return _step(args, state_dir)
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _step(args: argparse.Namespace, state_dir: str) -> dict[str, Any]:
     import torch
 
     from services.trainer.batch import RolloutBatch, sequence_micro_batches
@@ -56,8 +68,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if args.recompute:
         model |= {"recompute_granularity": "full", "recompute_method": "uniform",
                   "recompute_num_layers": 1}  # fmt: skip
+    optimizer: dict[str, Any] = {}
+    if args.optimizer_on_disk:
+        optimizer["stream_optimizer_state_to_disk"] = state_dir
     config = TrainerConfig(model=model, max_tokens_per_microbatch=args.micro_tokens,
-                           packed_sequences=args.packed)  # fmt: skip
+                           packed_sequences=args.packed, optimizer=optimizer)  # fmt: skip
     built = build_policy(config)
     policy = built.policy
     loaded = _rss_gib()
@@ -89,6 +104,8 @@ def main() -> None:
     parser.add_argument("--micro-tokens", type=int, default=4096)
     parser.add_argument("--packed", action="store_true")
     parser.add_argument("--recompute", action="store_true")
+    parser.add_argument("--optimizer-on-disk", action="store_true",
+                        help="stream the fp32 master weights and moments through a temp folder")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     if args.variant:
@@ -97,10 +114,12 @@ def main() -> None:
     shared = ["--model", str(args.model), "--rows", str(args.rows), "--tokens", str(args.tokens),
               "--micro-tokens", str(args.micro_tokens), "--dtype", args.dtype]  # fmt: skip
     shared += ["--packed"] * args.packed + ["--recompute"] * args.recompute
+    shared += ["--optimizer-on-disk"] * args.optimizer_on_disk
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     results: dict[str, Any] = {"shape": {"rows": args.rows, "tokens": args.tokens,
                                          "micro_tokens": args.micro_tokens, "dtype": args.dtype,
-                                         "packed": args.packed, "recompute": args.recompute}}
+                                         "packed": args.packed, "recompute": args.recompute,
+                                         "optimizer_on_disk": args.optimizer_on_disk}}
     for variant in args.variants.split(","):
         proc = subprocess.run([sys.executable, __file__, "--variant", variant, *shared],
                               capture_output=True, text=True, env=env)  # fmt: skip

@@ -32,19 +32,22 @@ from services.trainer import chunked_logprobs, logprob_kernels
 #: Tokens per chunk: a chunk's logits are chunk x V/TP in the weight's dtype (bf16 at a 150k
 #: vocabulary: 0.6 GB), plus an fp32 copy on the CPU path.
 DEFAULT_CHUNK_TOKENS = 2048
+#: Rows per fp32 pass of the torch path (the CPU): its fp32 temporaries are a few
+#: [rows, V/TP] tensors, live at the backward's start, when activations peak.
+TORCH_ROWS = 256
 
 
 def _lse_and_target(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     if logprob_kernels.available(logits):
         return logprob_kernels.row_lse_and_target(logits, targets, temperature)
-    return chunked_logprobs._torch_lse_and_target(logits, targets, temperature, logits.size(0))
+    return chunked_logprobs._torch_lse_and_target(logits, targets, temperature, TORCH_ROWS)
 
 
 def _logits_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor,
                  temperature: float) -> Tensor:  # fmt: skip
     if logprob_kernels.available(logits):
         return logprob_kernels.row_grad(logits, targets, lse, grad, temperature)
-    return chunked_logprobs._torch_grad(logits, targets, lse, grad, temperature, logits.size(0))
+    return chunked_logprobs._torch_grad(logits, targets, lse, grad, temperature, TORCH_ROWS)
 
 
 class _HiddenLogprobs(torch.autograd.Function):
