@@ -8,12 +8,15 @@ training step over the same token rows for both sides:
   run with activation recomputation on both sides (megatron full/uniform/1 layer; HF
   gradient checkpointing);
 - `packed`: 16 sequences of 4,096 tokens; the trainer packs them (THD, cu_seqlens) into
-  micro-batches of 16,384 tokens, transformers runs them as [4, 4096] micro-batches;
+  micro-batches of 16,384 tokens, transformers runs them as [4, 4096] micro-batches: the
+  lengths are equal, so its rows hold no padding (its best case, what a user would pick;
+  packing cannot save it any work here);
 - `mixed`: 16 sequences of 256..4,096 tokens (seeded): the trainer packs them as above,
   transformers gets right-padded rows, 4 a micro-batch, longest first (padding computed).
 
 The trainer side is its own path: `build_gpt_model` (fused attention) -> `MasterAdam` on the
-GPU -> `step.train_step` (clipped PG loss, chunked log-probs, one minibatch). The baseline:
+GPU -> `step.train_step` (clipped PG loss, chunked log-probs, with `--fused-output on` the
+output layer fused into them, one minibatch). The baseline:
 `AutoModelForCausalLM.from_config(attn_implementation="sdpa")` in bf16, per-token log-probs
 from log_softmax of the fp32 logits, the same `policy_loss`, grad clipping and
 `torch.optim.AdamW(fused=True)`. Each side runs in its own process (clean peak memory), one
@@ -24,6 +27,7 @@ and the output layer; the causal attention's fwd+bwd; recomputation not counted)
 The last line printed is the JSON summary.
 
     python bench/trainer_gpu.py [--shapes 0.5b,1.5b] [--cases row2048,row8192,row32768,packed,mixed]
+        [--steps 3] [--fused-output auto|on|off]
 """
 
 from __future__ import annotations
@@ -168,7 +172,10 @@ def _micro_batch(seqs: list[Any], packed: bool) -> Any:
     return MicroBatch(ids, mask, torch.full(ids.shape, -3.0, device=ids.device), adv, lengths, cu)
 
 
-def run_trainer(shape: str, cases: list[str], steps: int) -> dict[str, Any]:
+def run_trainer(shape: str, cases: list[str], steps: int, fused_output: str = "auto"
+                ) -> dict[str, Any]:  # fmt: skip
+    import functools
+
     import torch
 
     from services.trainer.batch import RolloutBatch
@@ -186,7 +193,8 @@ def run_trainer(shape: str, cases: list[str], steps: int) -> dict[str, Any]:
     model = build_gpt_model(model_shape, dtype="bfloat16", attention="fused")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = MasterAdam([p for _, p in named], lr=1e-6, no_decay=megatron_no_decay(named))
-    policy = ModelPolicy(model, optimizer, token_logprobs, 1.0)
+    fused = None if fused_output == "auto" else fused_output == "on"
+    policy = ModelPolicy(model, optimizer, functools.partial(token_logprobs, fused=fused), 1.0)
     config = model.config
     out: dict[str, Any] = {}
     for case in cases:
@@ -206,6 +214,8 @@ def run_trainer(shape: str, cases: list[str], steps: int) -> dict[str, Any]:
             out[case] = _case_result(shape, case, times, peak) | {"micro_batches": len(micro)}
         except torch.OutOfMemoryError as err:
             out[case] = {"error": f"out of memory: {str(err)[:120]}"}
+        except Exception as err:  # noqa: BLE001 - reported in the JSON; the other cases still run
+            out[case] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         torch.cuda.empty_cache()
     return out
 
@@ -252,6 +262,8 @@ def run_hf(shape: str, cases: list[str], steps: int) -> dict[str, Any]:
             out[case] = _case_result(shape, case, times, peak) | {"micro_batches": len(micro)}
         except torch.OutOfMemoryError as err:
             out[case] = {"error": f"out of memory: {str(err)[:120]}"}
+        except Exception as err:  # noqa: BLE001 - reported in the JSON; the other cases still run
+            out[case] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         opt.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
     return out
@@ -304,10 +316,39 @@ def logprob_kernel_check() -> dict[str, Any]:
             "grad_max_abs": float(ref.float().abs().max())}  # fmt: skip
 
 
+def fused_output_check() -> dict[str, Any]:
+    """fused_output.py's output layer + log-prob against logits then the chunked log-probs,
+    bf16 hidden states [3000, 896] and a 151,936 x 896 weight at T = 0.8 (max abs
+    differences of the log-probs and of both gradients, and the gradients' scale)."""
+    import torch
+
+    from services.trainer.chunked_logprobs import target_logprobs
+    from services.trainer.fused_output import hidden_logprobs
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(3000, 896, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (0.05 * torch.randn(151936, 896, device="cuda", generator=gen)).bfloat16()
+    weight.requires_grad_()
+    targets = torch.randint(0, 151936, (3000,), device="cuda", generator=gen)
+    upstream = torch.randn(3000, device="cuda", generator=gen)
+    got = hidden_logprobs(hidden, weight, targets, 0.8, chunk_tokens=1024)
+    got_h, got_w = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    want = target_logprobs(hidden @ weight.t(), targets, 0.8)
+    want_h, want_w = torch.autograd.grad((want * upstream).sum(), (hidden, weight))
+    return {"logprob_max_abs_diff": float((got - want).abs().max()),
+            "grad_hidden_max_abs_diff": float((got_h - want_h).float().abs().max()),
+            "grad_hidden_max_abs": float(want_h.float().abs().max()),
+            "grad_weight_max_abs_diff": float((got_w - want_w).float().abs().max()),
+            "grad_weight_max_abs": float(want_w.float().abs().max())}  # fmt: skip
+
+
 def child(args: argparse.Namespace) -> None:
     cases = args.cases.split(",")
-    fn = run_trainer if args.child == "trainer" else run_hf
-    print(json.dumps(fn(args.shape, cases, args.steps)), flush=True)
+    if args.child == "trainer":
+        out = run_trainer(args.shape, cases, args.steps, args.fused_output)
+    else:
+        out = run_hf(args.shape, cases, args.steps)
+    print(json.dumps(out), flush=True)
 
 
 def main() -> None:
@@ -317,6 +358,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--child", choices=["trainer", "hf"])
     parser.add_argument("--shape", default="0.5b")
+    parser.add_argument("--fused-output", choices=["auto", "on", "off"], default="auto",
+                        help="[trainer.model] fused_output_logprobs (auto: off on a GPU)")
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -324,16 +367,19 @@ def main() -> None:
     import torch
 
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "fused_output_logprobs": args.fused_output,
                                "mfu_formula": "(6*N_mm*tokens + 6*L*heads*head_dim*sum(S^2))"
                                f" / step_s / {PEAK_FLOPS:.0f}", "shapes": {}}  # fmt: skip
     results["optimizer_check"] = optimizer_check()
     results["logprob_kernel_check"] = logprob_kernel_check()
+    results["fused_output_check"] = fused_output_check()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for shape in args.shapes.split(","):
         sides = {}
         for side in ("trainer", "hf"):
             cmd = [sys.executable, __file__, "--child", side, "--shape", shape,
                    "--cases", args.cases, "--steps", str(args.steps)]  # fmt: skip
+            cmd += ["--fused-output", args.fused_output]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = proc.stdout.strip().splitlines()
             if proc.returncode or not lines:

@@ -4,7 +4,10 @@ Index t of the result is log p(token_t | tokens before t in the same sequence), 
 sequence's first token, so it lines up with token ids, loss masks and the engines'
 per-token log-probs; the probabilities are those of logits / T for the engine's sampling
 temperature T. The logits stay vocab-sharded under TP and chunked_logprobs.py scores them
-a chunk of tokens at a time, without fp32 copies of the [tokens, vocab] logits.
+a chunk of tokens at a time, without fp32 copies of the [tokens, vocab] logits;
+`token_logprobs` goes further and fuses the output layer into those chunks
+(fused_output.py), so no [tokens, vocab] logits outlive their chunk (the pipeline and
+context-parallel paths keep the logits).
 Micro-batches are right-padded rows [B, S] or packed rows: one row [1, T] of sequences back
 to back with their boundaries `cu_seqlens` (0, len0, len0+len1, ...), which run through
 megatron's THD path (per-sequence RoPE positions, document-causal attention on the fused
@@ -126,13 +129,28 @@ def stage_logprobs(
 
 
 def token_logprobs(
-    model: Any, input_ids: torch.Tensor, temperature: float = 1.0, cu_seqlens: CuSeqlens = None
+    model: Any, input_ids: torch.Tensor, temperature: float = 1.0, cu_seqlens: CuSeqlens = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Log-probs [B, S] of right-padded rows `input_ids` [B, S] (padding only to the right,
     so it never affects the real tokens under causal attention), or of one packed row [1, T]
-    with boundaries `cu_seqlens`."""
-    logits = forward_logits(model, input_ids, cu_seqlens)
-    return token_logprobs_from_logits(logits, input_ids, temperature, cu_seqlens)
+    with boundaries `cu_seqlens`. With `fused` (and a model whose output layer allows it) the
+    output layer runs inside the log-prob chunks (fused_output.py): no [tokens, vocab]
+    logits are kept for the backward. None: fused where the model is off the GPU (host RAM
+    is what runs short there; on a GPU the recomputed chunk costs more than it saves)."""
+    from services.trainer import fused_output
+
+    if fused is None:
+        fused = not fused_output.on_cuda(model)
+    if not (fused and fused_output.fusable(model)):
+        logits = forward_logits(model, input_ids, cu_seqlens)
+        return token_logprobs_from_logits(logits, input_ids, temperature, cu_seqlens)
+    with fused_output.output_hidden(model) as used:
+        hidden = forward_logits(model, input_ids, cu_seqlens)  # [B, S, H]
+    targets = next_token_targets(input_ids)
+    next_lp = fused_output.hidden_logprobs(hidden.reshape(-1, hidden.size(-1)), used["weight"],
+                                           targets.reshape(-1), temperature)  # fmt: skip
+    return align_logprobs(next_lp.view(targets.shape), cu_seqlens)
 
 
 def pipelined_token_logprobs(

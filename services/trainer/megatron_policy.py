@@ -11,6 +11,7 @@ Called by service.py; tests call it for the real-model paths.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,6 +170,9 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
     clip = clip_model_parallel_grad_norm if layout.world_size > 1 else None
     grad_sync = all_reduce_data_parallel_grads if layout.world_size > 1 else None
     logprob_fn: Any = token_logprobs  # cp_token_logprobs under CP (no packed rows there)
+    if config.model.fused_output_logprobs != "auto":
+        fused = config.model.fused_output_logprobs == "on"
+        logprob_fn = functools.partial(token_logprobs, fused=fused)
     if layout.cp_size > 1:
         from services.trainer.context_parallel import cp_token_logprobs
 

@@ -1,0 +1,67 @@
+"""The fused output layer + log-prob on two gloo ranks: under TP 2 and TP 2 with sequence
+parallelism (padded and packed rows, tied and untied output weights) the log-probs and every
+gradient equal those of logits then chunked log-probs (fp32, chunks smaller than a row)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.testing.trainer_ranks import run_ranks
+
+
+def fused_output_worker(rank: int, world_size: int, master_port: int) -> dict[str, float]:
+    import torch
+
+    from services.testing.hf_models import random_hf_model
+    from services.trainer import fused_output
+    from services.trainer.convert import load_hf_weights
+    from services.trainer.logprobs import token_logprobs
+    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.model_config import ParallelConfig
+    from services.trainer.parallel import init_parallel, teardown_parallel
+
+    fused_output.DEFAULT_CHUNK_TOKENS = 7  # several chunks per row
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 96, (2, 19), generator=gen)
+    weights = torch.randn(ids.shape, generator=gen)
+    results: dict[str, float] = {}
+    port = master_port
+    for sp in (False, True):
+        for tied in (False, True):
+            port += 1
+            init_parallel(ParallelConfig(tensor_parallel=2, sequence_parallel=sp), rank=rank,
+                          world_size=world_size, master_port=port)  # fmt: skip
+            hf = random_hf_model("qwen2", num_layers=2, num_heads=4, num_kv_heads=2,
+                                 tie_word_embeddings=tied)  # fmt: skip
+            shape = ModelShape.from_hf(hf.config)
+            model = build_gpt_model(shape, sequence_parallel=sp)
+            load_hf_weights(model, shape, hf.state_dict())
+            for rows, cu in ((ids, None), (ids.reshape(1, -1), [0, 19, 38])):
+                runs: list[Any] = []
+                for fused in (False, True):
+                    model.zero_grad()
+                    lp = token_logprobs(model, rows, 0.8, cu, fused=fused)
+                    (lp * weights.reshape(rows.shape)).sum().backward()
+                    runs.append((lp.detach(), {n: p.grad.clone()
+                                               for n, p in model.named_parameters()}))  # fmt: skip
+                (want, want_g), (got, got_g) = runs
+                key = f"{'sp' if sp else 'tp2'}_{'tied' if tied else 'untied'}_{cu is not None}"
+                results[f"{key}_logprob_diff"] = float((got - want).abs().max())
+                results[f"{key}_grad_diff"] = max(
+                    float((got_g[n] - g).abs().max() / g.abs().max()) for n, g in want_g.items()
+                )
+            teardown_parallel()
+    return results
+
+
+@pytest.mark.slow
+def test_fused_output_equals_unfused_under_tp_and_sp() -> None:
+    results = run_ranks(Path(__file__), "fused_output_worker", 2)
+    for rank, r in enumerate(results):
+        print(rank, r)
+        assert len(r) == 16, rank
+        for key, value in r.items():
+            assert value < 1e-5, (rank, key, value)
