@@ -95,9 +95,10 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
         "sandbox": {"tasks_dir": str(_tasks_dir(run_dir)), "tokenizer_path": str(model),
                     "max_concurrent_episodes": args.in_flight, "agent": AGENT},
         "trainer": {"rollout_batch_size": args.groups_per_step,
-                    "max_tokens_per_microbatch": 4096,
+                    "max_tokens_per_microbatch": args.microbatch_tokens,
                     "model": {"hf_path": str(model), "dtype": args.dtype},
-                    "optimizer": {"lr": args.lr},
+                    "optimizer": {"lr": args.lr, "stream_optimizer_state_to_disk": (
+                        str(run_dir / "adam-state") if args.optimizer_on_disk else None)},
                     "weight_sync": {"dtype": args.dtype}},
     })
 
@@ -139,13 +140,17 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=REPO / ".riptide" / "learn")
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--groups-per-step", type=int, default=2)
+    parser.add_argument("--groups-per-step", type=int, default=1)
     parser.add_argument("--in-flight", type=int, default=16,
                         help="episodes in flight: two groups decode as one batch")
     parser.add_argument("--cooldown-passes", type=int, default=2,
                         help="passes a task sits out after a zero-variance group")
     parser.add_argument("--engine-threads", type=int, default=2)
-    parser.add_argument("--eval-interval", type=int, default=5)
+    parser.add_argument("--microbatch-tokens", type=int, default=1024,
+                        help="trainer micro-batch size: 1024 puts each sample in its own")
+    parser.add_argument("--optimizer-on-disk", action=argparse.BooleanOptionalAction,
+                        default=True, help="Adam's fp32 state in files under the run dir")
+    parser.add_argument("--eval-interval", type=int, default=10)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
                         help="engine and trainer compute dtype")
     parser.add_argument("--warm-start-steps", type=int, default=12,
