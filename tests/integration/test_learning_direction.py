@@ -53,9 +53,10 @@ def _until(probe: Callable[[], Any], what: str, logs: Path, timeout_s: float = 3
     raise AssertionError(f"timed out waiting for {what}; logs: {tails}")
 
 
-def _token_probability(engine_url: str, token: int) -> float:
+def _token_probability(engine_url: str, token: int, api_key: str | None) -> float:
     prompt = prompt_ids(PROMPT)
-    reply = httpx.post(f"{engine_url}/generate", timeout=60, json={
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    reply = httpx.post(f"{engine_url}/generate", timeout=60, headers=headers, json={
         "input_ids": [*prompt, token], "return_logprob": True,
         "logprob_start_len": len(prompt), "sampling_params": {"max_new_tokens": 1,
                                                               "temperature": 1.0}}).json()
@@ -111,13 +112,13 @@ def test_steps_move_the_rewarded_token_the_advantage_s_way(tmp_path: Path,
             serve("rollout")
             engine = _until(lambda: details("rollout").get("engines"), "an engine", logs)[0]
             # Probed before the trainer starts, so no step can have reached the engine yet.
-            before = _token_probability(engine["url"], token)
+            before = _token_probability(engine["url"], token, config.run.engine_api_key)
             serve("trainer")
             _until(lambda: int(details("trainer").get("step", -1)) >= STEPS, f"{STEPS} steps",
                    logs, timeout_s=420)
             _until(lambda: details("rollout")["engines"][0]["weight_version"] >= STEPS,
                    "the engine at the trained weights", logs)
-            after = _token_probability(engine["url"], token)
+            after = _token_probability(engine["url"], token, config.run.engine_api_key)
         finally:
             for child in reversed(children):
                 process.stop(child)
