@@ -197,7 +197,9 @@ class EngineFleet:
         if view.weight_version is not None and view.weight_version != self.current_version \
                 or view.weight_version is None and self.current_version != self.initial_version:
             await self.router.set_weight_version(self.current_version)
-        missing = [m for m in self.members if m.state == "ready"
+        # An engine missing health checks waits until it answers again: registering it makes
+        # the router probe it, which would hold up this loop, the one that must find it hung.
+        missing = [m for m in self.members if m.state == "ready" and m.missed_checks == 0
                    and (not m.registered or m.url not in view.engine_urls)]
         for member in missing:
             log.warning("router does not hold engine %s: registering it again", member.url)

@@ -207,6 +207,24 @@ def test_a_restarted_router_gets_the_engines_and_the_version_back() -> None:
     asyncio.run(main())
 
 
+def test_an_engine_missing_health_checks_is_not_registered_again() -> None:
+    """The router dropped an engine that stopped answering: registering it again would wait
+    on it (the router probes it) and keep the health loop from finding it hung."""
+    async def main() -> None:
+        coordinator, engines, router, _ = await _setup()
+        await _events(coordinator, _stream(1, 1))
+        hung = coordinator.fleet.members[1]
+        router.registered.remove(hung.url)
+        hung.missed_checks = 1
+        assert await coordinator.fleet.reconcile_router() == 0
+        assert hung.url not in router.registered
+        hung.missed_checks = 0  # it answers again: back in the router
+        assert await coordinator.fleet.reconcile_router() == 1
+        assert hung.url in router.registered
+
+    asyncio.run(main())
+
+
 def test_restarted_engine_triggers_a_new_group_and_is_registered_after_commit() -> None:
     async def main() -> None:
         coordinator, engines, router, _ = await _setup()
