@@ -287,6 +287,37 @@ def read_events(client: redis.Redis, run: str, since_id: str = "0-0",
     return parse_events(_range(client, events_key(run), since_id, count))
 
 
+class EventTail:
+    """Follows one run's events stream: each `read()` returns the events after the last."""
+
+    def __init__(self, redis_url: str, run: str, since_id: str = "0-0",
+                 page: int = 1000) -> None:
+        self._client = redis.Redis.from_url(redis_url, socket_connect_timeout=1.0,
+                                            socket_timeout=5.0)
+        self._run = run
+        self._cursor = since_id
+        self._page = page
+
+    def read(self) -> list[Event]:
+        """Every event since the last read, page by page; a Redis error after some pages
+        returns those (the rest comes next time), before any it is raised."""
+        out: list[Event] = []
+        while True:
+            try:
+                entries = read_events(self._client, self._run, self._cursor, self._page)
+            except redis.RedisError:
+                if out:
+                    return out
+                raise
+            if not entries:
+                return out
+            self._cursor = entries[-1][0]
+            out.extend(event for _, event in entries)
+
+    def close(self) -> None:
+        self._client.close()
+
+
 def read_episodes(client: redis.Redis, run: str, since_id: str = "0-0",
                   count: int = 1000) -> list[tuple[str, dict[str, Any]]]:
     """Up to `count` episode details after entry `since_id`."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from services.common.events import Event, read_events
+from services.common.events import Event, EventTail
 
 if TYPE_CHECKING:
     from services.common.tracking.exporter import MetricsExporter
@@ -61,25 +61,21 @@ class StepProgress:
 
     def __init__(self, redis_url: str, run: str, target_step: int | None = None,
                  exporter: MetricsExporter | None = None) -> None:
-        self._client = redis.Redis.from_url(redis_url, socket_connect_timeout=1.0,
-                                            socket_timeout=2.0)
-        self._run = run
         self._target = target_step
         self.exporter = exporter
         # Stream ids begin with their unix ms: steps of an earlier (resumed) run are skipped.
-        self._cursor = f"{int(time.time() * 1000)}-0"
+        self._tail = EventTail(redis_url, run, since_id=f"{int(time.time() * 1000)}-0")
         self._load: Event | None = None
         self._first: tuple[float, int] | None = None  # (end, step) of the first step seen
 
     def poll(self) -> list[str]:
         """Lines for the steps published since the last poll ([] while Redis is away)."""
         try:
-            entries = read_events(self._client, self._run, self._cursor)
+            events = self._tail.read()
         except redis.RedisError:
             return []
         lines = []
-        for entry_id, event in entries:
-            self._cursor = entry_id
+        for event in events:
             if self.exporter is not None:
                 self.exporter.add(event)
             if event.kind == "rollout.load":
@@ -101,6 +97,6 @@ class StepProgress:
         return (self._target - number) * (step.end - first_end) / done if done > 0 else None
 
     def close(self) -> None:
-        self._client.close()
+        self._tail.close()
         if self.exporter is not None:
             self.exporter.close()

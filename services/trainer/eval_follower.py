@@ -15,7 +15,7 @@ import threading
 
 import redis
 
-from services.common.events import read_events
+from services.common.events import EventTail
 from services.trainer.stats import TrainerStats
 
 log = logging.getLogger(__name__)
@@ -26,31 +26,25 @@ class EvalFollower:
 
     def __init__(self, redis_url: str, run: str, stats: TrainerStats,
                  interval_s: float = 5.0) -> None:
-        self._client = redis.Redis.from_url(redis_url, socket_timeout=5)
-        self._run = run
+        self._tail = EventTail(redis_url, run)
         self._stats = stats
         self._interval_s = interval_s
-        self._since = "0-0"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def poll_once(self) -> int:
         """Read the events since the last poll; returns how many eval results were new."""
         new = 0
-        while True:
-            events = read_events(self._client, self._run, self._since, count=1000)
-            if not events:
-                return new
-            self._since = events[-1][0]
-            for _, event in events:
-                success = event.attrs.get("mean_success")
-                if event.kind != "rollout.eval" or event.weight_version is None \
-                        or not isinstance(success, int | float):
-                    continue
-                if self._stats.record_eval(event.weight_version, float(success)):
-                    new += 1
-                    log.info("held-out eval at weight version %d: success %.3f",
-                             event.weight_version, success)
+        for event in self._tail.read():
+            success = event.attrs.get("mean_success")
+            if event.kind != "rollout.eval" or event.weight_version is None \
+                    or not isinstance(success, int | float):
+                continue
+            if self._stats.record_eval(event.weight_version, float(success)):
+                new += 1
+                log.info("held-out eval at weight version %d: success %.3f",
+                         event.weight_version, success)
+        return new
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run_loop, name="eval-follower",
@@ -61,7 +55,7 @@ class EvalFollower:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self._client.close()
+        self._tail.close()
 
     def _run_loop(self) -> None:
         while not self._stop.wait(self._interval_s):

@@ -10,6 +10,7 @@ import redis
 from services.common.config import EventsConfig
 from services.common.events import (
     EventPublisher,
+    EventTail,
     episodes_key,
     events_key,
     export_events,
@@ -126,3 +127,14 @@ def test_step_progress_feeds_the_live_metrics_exporter(redis_url: str) -> None:
     assert {(s.tag, s.step, s.value) for s in sink.scalars} >= {("train/loss", 5, 0.5),
                                                                  ("train/step_time_s", 5, 2.0)}
     assert sink.closed
+
+
+def test_an_event_tail_reads_every_page_once(redis_url: str) -> None:
+    publisher = EventPublisher(redis_url, "paged", "rollout", EventsConfig())
+    for i in range(25):
+        publisher.publish("rollout.load", id=str(i), attrs={"in_flight": i})
+    publisher.close()
+    tail = EventTail(redis_url, "paged", page=10)
+    assert [e.attrs["in_flight"] for e in tail.read()] == list(range(25))
+    assert tail.read() == []
+    tail.close()
