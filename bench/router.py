@@ -17,15 +17,18 @@ previous prompt + the model's output + a tool observation, tool time between tur
 
 Policies: `perfect` is perfect client-side stickiness, the reference (the client pins each
 session to the engine with the fewest live sessions and calls it directly, re-pinning only
-when a call fails); `sticky_min_load` is the router's default; `manual` models sglang-router's
-manual policy (min_load assignment, then sticky).
+when a call fails); `sticky_min_load` is the router's default; `manual` is the Riptide
+router's model of sglang-router's manual policy (min_load assignment, then sticky);
+`sglang_router` is the real sglang-router (`pip install sglang-router==0.3.2`, manual policy,
+min_load assignment) on the same engines, skipped when it is not installed.
 
 Per trace and policy: hit_rate = cached / prompt tokens; imbalance = time-averaged max/mean
 in-flight calls per engine over the steady window; switch_rate = share of a session's later
 calls that went to another engine than its previous call; overhead = client latency minus
 the engine's own e2e latency (p50, p99 ms). Then the overhead bench: fixed small calls at
-concurrency 1 and 8, direct to an engine vs through the router's HTTP front and gRPC, in the
-same run. The last line printed is the JSON summary.
+concurrency 1 and 8, direct to an engine vs through the router's HTTP front and gRPC and
+through sglang-router, interleaved in the same run (target: the router's p50 overhead at most
+sglang-router's on both paths). The last line printed is the JSON summary.
 
     python bench/router.py [--traces base eject] [--policies perfect sticky_min_load]
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import random
 import sys
@@ -45,17 +49,22 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 from services.testing.router_process import RouterProcess  # noqa: E402
+from services.testing.sglang_router_process import (  # noqa: E402
+    SglangRouterProcess,
+    sglang_router_installed,
+)
 from services.testing.sim_engine_process import SimEngineProcess  # noqa: E402
 
 VOCAB = 32000
-POLICIES = ("perfect", "sticky_min_load", "manual", "consistent_hash", "min_load",
-            "round_robin")
+POLICIES = ("perfect", "sticky_min_load", "manual", "sglang_router", "consistent_hash",
+            "min_load", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -98,17 +107,19 @@ class SessionSpec:
 
 
 def workload(trace: Trace, args: argparse.Namespace) -> list[SessionSpec]:
-    """Enough sessions to keep every slot busy for about --duration-s."""
+    """Sessions in the order slots take them, enough that (by each session's busy time) no
+    slot runs dry before --duration-s: the steady window, where every slot is busy, then
+    lasts about that long."""
     rng = random.Random(args.seed)
     slots = args.sessions * trace.sessions_x
+    free_at = [args.ramp_s * i / slots for i in range(slots)]  # a min-heap already
     specs: list[SessionSpec] = []
-    busy = 0.0
-    while busy < slots * args.duration_s:
+    while free_at[0] < args.duration_s:
         turns, lo, hi = session_shape(rng, trace.skewed)
         spec = SessionSpec(rng.randrange(1 << 30), tuple(rng.randint(lo, hi)
                                                          for _ in range(turns)))
         specs.append(spec)
-        busy += spec.busy_s(args)
+        heapq.heapreplace(free_at, free_at[0] + spec.busy_s(args))
     return specs
 
 
@@ -143,6 +154,7 @@ class Perfect:
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
         self.live = [0] * len(urls)
+        self.pins: dict[str, int] = {}
         self.http = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=1024),
                                       headers={"content-type": "application/json"})
 
@@ -152,41 +164,92 @@ class Perfect:
         self.live[best] += 1
         return best
 
-    async def call(self, pin: int, ids: list[int], params: dict[str, Any]
-                   ) -> tuple[int, dict[str, Any]]:
+    async def call(self, key: str, ids: list[int], params: dict[str, Any]
+                   ) -> tuple[int, list[int], dict[str, Any]]:
+        pin = self.pins.get(key)
+        if pin is None:
+            pin = self.pins[key] = self.place()
         for _ in range(3):
             body = orjson.dumps({"input_ids": ids, "sampling_params": params})
             reply = await self.http.post(f"{self.urls[pin]}/generate", content=body)
             if reply.status_code == 200:
-                return pin, orjson.loads(reply.content)
+                out = orjson.loads(reply.content)
+                return pin, out["output_ids"], out["meta_info"]
             self.live[pin] -= 1
-            pin = self.place(avoid=pin)  # the engine failed: re-pin, as a client would
+            pin = self.pins[key] = self.place(avoid=pin)  # the engine failed: re-pin
         raise RuntimeError(f"/generate answered {reply.status_code}")
+
+    async def end(self, key: str) -> None:
+        pin = self.pins.pop(key, None)
+        if pin is not None:
+            self.live[pin] -= 1
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+class ThroughRouter:
+    """Riptide's router over gRPC: Generate with the session key, EndSession at the end."""
+
+    def __init__(self, channel: Any, engine_index: dict[str, int]) -> None:
+        self.stub = router_pb2_grpc.RouterStub(channel)
+        self.engine_index = engine_index
+
+    async def call(self, key: str, ids: list[int], params: dict[str, Any]
+                   ) -> tuple[int, list[int], dict[str, Any]]:
+        request = router_pb2.GenerateRequest(session_key=key, input_ids=ids,
+                                             sampling_params=common_pb2.SamplingParams(**params))
+        reply = await self.stub.Generate(request, timeout=60)
+        meta = {"prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
+                "e2e_latency": reply.engine_latency_s}
+        return self.engine_index[reply.engine_url], list(reply.output_ids), meta
+
+    async def end(self, key: str) -> None:
+        await self.stub.EndSession(router_pb2.EndSessionRequest(session_key=key), timeout=10)
+
+    async def close(self) -> None:
+        pass
+
+
+class ThroughSglangRouter:
+    """The real sglang-router over HTTP, the session key in X-SMG-Routing-Key. It has no
+    end-of-session call (its manual policy forgets idle keys)."""
+
+    def __init__(self, url: str, engine_ports: dict[int, int]) -> None:
+        self.url = url
+        self.engine_ports = engine_ports
+        self.http = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=1024),
+                                      headers={"content-type": "application/json"})
+
+    async def call(self, key: str, ids: list[int], params: dict[str, Any]
+                   ) -> tuple[int, list[int], dict[str, Any]]:
+        body = orjson.dumps({"input_ids": ids, "sampling_params": params})
+        reply = await self.http.post(f"{self.url}/generate", content=body,
+                                     headers={"X-SMG-Routing-Key": key})
+        if reply.status_code != 200:
+            raise RuntimeError(f"/generate answered {reply.status_code}: {reply.text[:200]}")
+        out = orjson.loads(reply.content)
+        meta = out["meta_info"]
+        return self.engine_ports[meta["sim_engine_port"]], out["output_ids"], meta
+
+    async def end(self, key: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        await self.http.aclose()
 
 
 async def _session(client: Any, key: str, system: list[int], spec: SessionSpec,
-                   args: argparse.Namespace, run: Run, engine_index: dict[str, int]) -> None:
+                   args: argparse.Namespace, run: Run) -> None:
     rng = random.Random(spec.seed)
     prompt = system + [rng.randrange(VOCAB) for _ in range(args.task_tokens)]
-    pin = client.place() if isinstance(client, Perfect) else -1
     previous = -1
     try:
         for out_tokens in spec.outputs:
             params = {"max_new_tokens": out_tokens, "temperature": 1.0, "ignore_eos": True}
             started = time.monotonic()
             try:
-                if isinstance(client, Perfect):
-                    pin, body = await client.call(pin, prompt, params)
-                    meta, output, engine = body["meta_info"], body["output_ids"], pin
-                else:
-                    request = router_pb2.GenerateRequest(
-                        session_key=key, input_ids=prompt,
-                        sampling_params=common_pb2.SamplingParams(**params))
-                    reply = await client.Generate(request, timeout=60)
-                    output, engine = list(reply.output_ids), engine_index[reply.engine_url]
-                    meta = {"prompt_tokens": reply.prompt_tokens,
-                            "cached_tokens": reply.cached_tokens,
-                            "e2e_latency": reply.engine_latency_s}
+                engine, output, meta = await client.call(key, prompt, params)
             except (grpc.aio.AioRpcError, httpx.HTTPError, RuntimeError):
                 run.errors += 1
                 return
@@ -203,10 +266,7 @@ async def _session(client: Any, key: str, system: list[int], spec: SessionSpec,
             prompt = prompt + output + observation
             await asyncio.sleep(rng.uniform(*args.think_s))
     finally:
-        if isinstance(client, Perfect):
-            client.live[pin] -= 1
-        else:
-            await client.EndSession(router_pb2.EndSessionRequest(session_key=key), timeout=10)
+        await client.end(key)
 
 
 def imbalance(calls: list[tuple[float, float, int]], num_engines: int, t0: float,
@@ -250,7 +310,7 @@ async def run_policy(trace: Trace, policy: str, specs: list[SessionSpec],
     async with httpx.AsyncClient() as http:
         for url in urls:
             (await http.post(f"{url}/flush_cache")).raise_for_status()
-    if policy != "perfect":
+    if policy not in ("perfect", "sglang_router"):
         router.patch_config(policy=policy)
     rng = random.Random(args.seed)
     system = [rng.randrange(VOCAB) for _ in range(args.system_tokens)]
@@ -266,18 +326,25 @@ async def run_policy(trace: Trace, policy: str, specs: list[SessionSpec],
         while pending:
             n = len(pending)
             await _session(client, f"{trace.name}-{policy}-{n}", system, pending.pop(), args,
-                           run, index)
+                           run)
         drained_at[0] = min(drained_at[0], time.monotonic())
 
-    extra = [_eject_window(engines[-1], pending)] if trace.eject else []
+    async def drive(client: Any) -> None:
+        extra = [_eject_window(engines[-1], pending)] if trace.eject else []
+        try:
+            await asyncio.gather(*(slot(client, i) for i in range(slots)), *extra)
+        finally:
+            await client.close()
+
     if policy == "perfect":
-        client = Perfect(urls)
-        await asyncio.gather(*(slot(client, i) for i in range(slots)), *extra)
-        await client.http.aclose()
+        await drive(Perfect(urls))
+    elif policy == "sglang_router":
+        with SglangRouterProcess(urls) as reference:
+            await drive(ThroughSglangRouter(reference.url, {e.port: i
+                                                            for i, e in enumerate(engines)}))
     else:
         async with router.aio_channel() as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            await asyncio.gather(*(slot(stub, i) for i in range(slots)), *extra)
+            await drive(ThroughRouter(channel, index))
     result = {
         "hit_rate": round(run.cached / run.prompt, 4) if run.prompt else 0.0,
         "imbalance": round(imbalance(run.calls, len(urls), began + args.ramp_s + 1,
@@ -352,28 +419,39 @@ async def _calls(send: Any, concurrency: int, num_calls: int) -> list[float]:
 
 
 async def _overhead_round(engine: SimEngineProcess, router: RouterProcess,
-                          concurrency: int, num_calls: int) -> dict[str, Any]:
+                          reference: SglangRouterProcess | None, concurrency: int,
+                          num_calls: int) -> dict[str, Any]:
     params = {"max_new_tokens": 1, "temperature": 0.0}
-    async with httpx.AsyncClient(timeout=30) as http, router.aio_channel() as channel:
+    # aiohttp for every HTTP path: httpx's own cost at 8 in flight would swamp the figures.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http, \
+            router.aio_channel() as channel:
         stub = router_pb2_grpc.RouterStub(channel)
 
+        async def post(url: str, key: str, ids: list[int]) -> None:
+            body = orjson.dumps({"input_ids": ids, "sampling_params": params})
+            async with http.post(f"{url}/generate", data=body, headers={
+                    "content-type": "application/json", "X-SMG-Routing-Key": key}) as reply:
+                await reply.read()
+                reply.raise_for_status()
+
         async def direct(key: str, ids: list[int]) -> None:
-            (await http.post(f"{engine.url}/generate",
-                             json={"input_ids": ids, "sampling_params": params})
-             ).raise_for_status()
+            await post(engine.url, key, ids)
 
         async def front(key: str, ids: list[int]) -> None:
-            (await http.post(f"{router.http_url}/generate",
-                             headers={"X-SMG-Routing-Key": key},
-                             json={"input_ids": ids, "sampling_params": params})
-             ).raise_for_status()
+            await post(router.http_url, key, ids)
 
         async def grpc_call(key: str, ids: list[int]) -> None:
             await stub.Generate(router_pb2.GenerateRequest(
                 session_key=key, input_ids=ids,
                 sampling_params=common_pb2.SamplingParams(max_new_tokens=1)), timeout=30)
 
+        async def sglang_router(key: str, ids: list[int]) -> None:
+            assert reference is not None
+            await post(reference.url, key, ids)
+
         paths = {"direct": direct, "http_front": front, "grpc": grpc_call}
+        if reference is not None:
+            paths["sglang_router"] = sglang_router
         for send in paths.values():  # warm connections
             await _calls(send, concurrency, concurrency * 4)
         # Interleaved rounds, so a neighbour's load on this shared machine hits every path.
@@ -384,7 +462,7 @@ async def _overhead_round(engine: SimEngineProcess, router: RouterProcess,
     direct_p50, direct_p99 = percentile(samples["direct"], 0.5), percentile(samples["direct"], 0.99)
     out: dict[str, Any] = {"direct_ms_p50": round(direct_p50, 3),
                            "direct_ms_p99": round(direct_p99, 3)}
-    for name in ("http_front", "grpc"):
+    for name in [p for p in paths if p != "direct"]:
         out[f"{name}_overhead_ms_p50"] = round(percentile(samples[name], 0.5) - direct_p50, 3)
         out[f"{name}_overhead_ms_p99"] = round(percentile(samples[name], 0.99) - direct_p99, 3)
     return out
@@ -392,20 +470,32 @@ async def _overhead_round(engine: SimEngineProcess, router: RouterProcess,
 
 def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
     engine = SimEngineProcess(decode_s_per_token=0.0, prefill_s_per_token=0.0)
+    reference = SglangRouterProcess([engine.url]) if sglang_router_installed() else None
     try:
         with RouterProcess(engine_urls=[engine.url], http_front=True) as router:
-            return {f"concurrency_{c}": asyncio.run(
-                        _overhead_round(engine, router, c, args.overhead_calls))
-                    for c in (1, 8)}
+            result: dict[str, Any] = {f"concurrency_{c}": asyncio.run(
+                _overhead_round(engine, router, reference, c, args.overhead_calls))
+                for c in (1, 8)}
     finally:
+        if reference is not None:
+            reference.stop()
         engine.stop()
+    for c in (1, 8):
+        row = result[f"concurrency_{c}"]
+        if "sglang_router_overhead_ms_p50" in row:
+            row["target_met"] = all(
+                row[f"{path}_overhead_ms_{q}"] <= row[f"sglang_router_overhead_ms_{q}"]
+                for path in ("http_front", "grpc") for q in ("p50",))
+    return result
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--traces", nargs="+", default=list(TRACES), choices=list(TRACES))
-    p.add_argument("--policies", nargs="+", default=["perfect", "sticky_min_load", "manual"],
-                   choices=POLICIES)
+    p.add_argument("--traces", nargs="*", default=list(TRACES), choices=list(TRACES),
+                   help="none given: only the overhead bench")
+    p.add_argument("--policies", nargs="+", choices=POLICIES,
+                   default=["perfect", "sticky_min_load", "manual", "sglang_router"],
+                   help="sglang_router: the real sglang-router, skipped if not installed")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--sessions", type=int, default=32, help="concurrent agent sessions")
     p.add_argument("--duration-s", type=float, default=8.0,
@@ -424,6 +514,10 @@ def main() -> None:
     p.add_argument("--overhead-calls", type=int, default=400, help="0 skips the overhead bench")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if "sglang_router" in args.policies and not sglang_router_installed():
+        print("sglang-router is not installed (pip install sglang-router==0.3.2): "
+              "its rows and overhead are skipped", flush=True)
+        args.policies.remove("sglang_router")
 
     summary: dict[str, Any] = {name: run_trace(TRACES[name], args) for name in args.traces}
     if args.overhead_calls:

@@ -49,7 +49,7 @@ def fault_kinds(stack: FaultStack) -> dict[str, Callable[[], object]]:
         "rollout_sigkill": lambda: stack.kill("rollout"),
         "trainer_sigkill": lambda: stack.kill("trainer"),
         "engine_sigkill": lambda: stack.kill("engine"),
-        "engine_hang": lambda: stack.hang_engine(30.0),  # detected after ~18 s
+        "engine_hang": lambda: stack.hang_engine(120.0),  # killed as hung after ~18 s
         "redis_restart": lambda: stack.kill("redis", signal.SIGKILL),  # restarted on its AOF
         "sandbox_failures": lambda: stack.fail_sandboxes(5.0),  # creation fails (returns count)
         "trainer_during_sync": lambda: stack.kill_trainer_during_sync(60.0),

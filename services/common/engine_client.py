@@ -1,11 +1,9 @@
-"""The one HTTP client to SGLang engines (and the built-in engine), for the rollout service
-and the router.
+"""The one HTTP client to SGLang engines (and the built-in engine) for control and facts, for
+the rollout service and the router. (The router's /generate calls, its hot path, have their
+own client: services/router/engine_calls.py.)
 
 It learns at registration which contract an engine speaks (engine_contract.py) and reads the
-weight version, the load and the server facts the same way for both services. `/generate`
-failures are classified for the router: `EngineNotReached` when the engine certainly never
-started generating (no connection, or 503), so the call may be retried elsewhere;
-`EngineCallFailed` for any other failure after the request was sent, never retried. A control
+weight version, the load and the server facts the same way for both services. A control
 call that fails raises `EngineCallError` naming the engine and the step.
 """
 
@@ -28,7 +26,7 @@ from services.common.engine_contract import (
     sglang_version_of,
     weight_version_of,
 )
-from services.common.errors import DeadlineExceeded, InvalidRequest, Unavailable
+from services.common.errors import Unavailable
 
 log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
@@ -40,14 +38,6 @@ class EngineCallError(Unavailable):
     def __init__(self, url: str, step: str, detail: str, status: int | None = None) -> None:
         super().__init__(f"engine {url}: {step} failed: {detail}")
         self.url, self.step, self.status = url, step, status
-
-
-class EngineNotReached(Exception):
-    """The call never reached generation on the engine; safe to retry on another target."""
-
-
-class EngineCallFailed(Exception):
-    """The call failed after the engine may have started generating; not retried."""
 
 
 def _body(response: httpx.Response) -> Any:
@@ -174,28 +164,6 @@ class EngineClient:
         return parse_loads(await self._read(url, "load_path", timeout_s))
 
     # -- generation --------------------------------------------------------------------
-    async def generate(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /generate; returns the SGLang response or raises a classified error."""
-        try:
-            response = await self.http.post(f"{url}/generate", content=orjson.dumps(body),
-                                            headers=_JSON)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise EngineNotReached(f"{url}: cannot connect ({type(exc).__name__})") from exc
-        except httpx.TimeoutException as exc:
-            raise DeadlineExceeded(f"{url}: /generate timed out ({type(exc).__name__})") from exc
-        except httpx.HTTPError as exc:
-            raise EngineCallFailed(f"{url}: /generate failed: {type(exc).__name__}: {exc}") \
-                from exc
-        data = _body(response)
-        if response.status_code == 200 and isinstance(data, dict) and "error" not in data:
-            return data
-        message = error_message(data)
-        if response.status_code == 503:
-            raise EngineNotReached(f"{url}: 503 {message}")
-        if response.status_code in (400, 422):
-            raise InvalidRequest(f"engine rejected the request: {message}")
-        raise EngineCallFailed(f"{url}: /generate answered {response.status_code}: {message}")
-
     async def abort(self, url: str, rid: str | None = None) -> None:
         """Abort one request by rid, or every request when `rid` is None."""
         body = {"abort_all": True} if rid is None else {"rid": rid}

@@ -46,6 +46,9 @@ class RouterConfig(ServiceConfig):
         2.0, gt=0, le=3600, description="period of /health checks")
     health_timeout_s: float = Field(
         2.0, gt=0, le=3600, description="timeout of one health check")
+    readmit_probe_interval_s: float = Field(
+        0.1, gt=0, le=3600, description="period of the health checks of an ejected engine "
+        "(so one that is back takes calls again within a fraction of health_interval_s)")
     unhealthy_after_failures: int = Field(
         3, ge=1, le=10_000, description="consecutive failed health checks that eject a target")
     healthy_after_successes: int = Field(
@@ -88,7 +91,8 @@ class RouterConfig(ServiceConfig):
 TUNABLE_FIELDS = frozenset({
     "policy", "reprefill_s_per_1k_tokens", "min_calls_between_moves", "session_idle_s",
     "num_virtual_nodes",
-    "health_interval_s", "health_timeout_s", "unhealthy_after_failures",
+    "health_interval_s", "health_timeout_s", "readmit_probe_interval_s",
+    "unhealthy_after_failures",
     "healthy_after_successes", "circuit_open_after_failures", "circuit_open_s", "max_retries",
     "wait_for_target_s",
 })

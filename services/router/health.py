@@ -1,7 +1,9 @@
 """The health checker: every `health_interval_s`, ask each engine for /health, its weight
 version and its load; eject an engine after consecutive failures, re-admit it after
-consecutive successes. Re-admission alone does not make it routable: it must also report the
-router's current weight version (targets.py decides routability).
+consecutive successes. An ejected engine is asked every `readmit_probe_interval_s` in
+between, so one that is back takes calls again soon (as a client pinned to it would find).
+Re-admission alone does not make it routable: it must also report the router's current
+weight version (targets.py decides routability).
 """
 
 from __future__ import annotations
@@ -34,12 +36,25 @@ class HealthChecker:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_round = loop.time() + self.config.health_interval_s
         while True:
-            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.sleep(max(0.0, min(self.config.readmit_probe_interval_s,
+                                             next_round - loop.time())))
             try:
-                await self.check_all()
+                if loop.time() >= next_round:
+                    next_round = loop.time() + self.config.health_interval_s
+                    await self.check_all()
+                else:
+                    await self.check_ejected()
             except Exception:  # noqa: BLE001 - one bad round must not stop health checking
                 log.exception("health check round failed")
+
+    async def check_ejected(self) -> None:
+        """Probe only the ejected engines (between full rounds)."""
+        ejected = [e for e in self.registry.engines.values() if not e.healthy and not e.leaving]
+        if ejected:
+            await asyncio.gather(*(self.check(engine) for engine in ejected))
 
     async def check_all(self) -> None:
         """Probe every engine once, concurrently."""

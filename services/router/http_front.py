@@ -8,26 +8,21 @@ streamed call answers SSE `data: ...` lines exactly as the engine sends them. `/
 `/get_server_info`, `/get_model_info` and `/v1/models` answer from a routable engine.
 `POST /end_session {"session_key": ...}` is the HTTP twin of the gRPC EndSession.
 
-Served by uvicorn on the router's own event loop; started and stopped by RouterRuntime.
+Served by the lean HTTP/1.1 server (http1_server.py) on the router's own event loop;
+started and stopped by RouterRuntime.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from services.common.errors import InvalidRequest, RiptideError, Unavailable
+from services.router.http1_server import Handler, Http1Server, Reply, Request
 from services.router.servicer import json_object
 
 if TYPE_CHECKING:
@@ -37,11 +32,11 @@ log = logging.getLogger(__name__)
 _KEY_HEADERS = ("x-smg-routing-key", "x-session-id")
 
 
-def _json(payload: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+def _json(payload: Any, status: int = 200) -> Reply:
+    return Reply(status, orjson.dumps(payload))
 
 
-def _error(exc: RiptideError) -> Response:
+def _error(exc: RiptideError) -> Reply:
     # SGLang's error shape, so its clients read the message where they expect it.
     return _json({"object": "error", "message": str(exc), "type": type(exc).__name__,
                   "code": exc.http_status}, exc.http_status)
@@ -57,19 +52,19 @@ def routing_key(headers: Any, body: dict[str, Any]) -> str:
     return str(key) if key else ""
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    body = json_object(await request.body(), "the body")
+def _body(request: Request) -> dict[str, Any]:
+    body = json_object(request.body, "the body")
     if body.get("text") is None and body.get("input_ids") is None:
         raise InvalidRequest("give text or input_ids")
     return body
 
 
-def build_front(runtime: RouterRuntime) -> Starlette:
-    """The Starlette app of the HTTP front."""
+def build_front(runtime: RouterRuntime) -> Handler:
+    """The front's request handler: SGLang's routes, by method and path."""
 
-    async def generate(request: Request) -> Response:
+    async def generate(request: Request) -> Reply:
         try:
-            body = await _body(request)
+            body = _body(request)
             key = routing_key(request.headers, body)
             if not body.get("stream"):
                 routed = await runtime.generate(key, body)
@@ -78,27 +73,27 @@ def build_front(runtime: RouterRuntime) -> Starlette:
             first = await anext(lines)  # routing errors still get their status code
         except RiptideError as exc:
             return _error(exc)
-        return StreamingResponse(_chain(first, lines), media_type="text/event-stream")
+        return Reply(200, content_type="text/event-stream", stream=_chain(first, lines))
 
-    async def end_session(request: Request) -> Response:
+    async def end_session(request: Request) -> Reply:
         try:
-            key = json_object(await request.body(), "the body").get("session_key")
+            key = json_object(request.body, "the body").get("session_key")
             if not key:
                 raise InvalidRequest('give {"session_key": "..."}')
         except RiptideError as exc:
             return _error(exc)
         return _json({"known": runtime.end_session(str(key))})
 
-    async def health(request: Request) -> Response:
-        return Response(status_code=200 if runtime.router.candidates(set()) else 503)
+    async def health(request: Request) -> Reply:
+        return Reply(200 if runtime.router.candidates(set()) else 503)
 
-    async def engine_info(request: Request) -> Response:
+    async def engine_info(request: Request) -> Reply:
         try:
-            return _json(await _from_engine(runtime, request.url.path))
+            return _json(await _from_engine(runtime, request.path))
         except RiptideError as exc:
             return _error(exc)
 
-    async def models(request: Request) -> Response:
+    async def models(request: Request) -> Reply:
         try:
             info = await _from_engine(runtime, "/get_model_info")
         except RiptideError as exc:
@@ -108,17 +103,23 @@ def build_front(runtime: RouterRuntime) -> Starlette:
             {"id": name, "object": "model", "created": 0, "owned_by": "riptide",
              "root": info.get("model_path")}]})
 
-    return Starlette(routes=[
-        Route("/generate", generate, methods=["POST"]),
-        Route("/end_session", end_session, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/health_generate", health, methods=["GET"]),
-        Route("/get_server_info", engine_info, methods=["GET"]),
-        Route("/get_model_info", engine_info, methods=["GET"]),
-        Route("/server_info", engine_info, methods=["GET"]),
-        Route("/model_info", engine_info, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-    ])
+    routes: dict[str, tuple[str, Handler]] = {
+        "/generate": ("POST", generate), "/end_session": ("POST", end_session),
+        "/health": ("GET", health), "/health_generate": ("GET", health),
+        "/get_server_info": ("GET", engine_info), "/get_model_info": ("GET", engine_info),
+        "/server_info": ("GET", engine_info), "/model_info": ("GET", engine_info),
+        "/v1/models": ("GET", models),
+    }
+
+    async def handle(request: Request) -> Reply:
+        route = routes.get(request.path)
+        if route is None:
+            return _json({"detail": "Not Found"}, 404)
+        if request.method != route[0]:
+            return _json({"detail": "Method Not Allowed"}, 405)
+        return await route[1](request)
+
+    return handle
 
 
 async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -145,27 +146,16 @@ async def _from_engine(runtime: RouterRuntime, path: str) -> dict[str, Any]:
 
 
 class HttpFront:
-    """The front's uvicorn server, on the running event loop."""
+    """The front's server, on the router's event loop."""
 
     def __init__(self, runtime: RouterRuntime, host: str, port: int) -> None:
-        config = uvicorn.Config(build_front(runtime), host=host, port=port, log_level="warning",
-                                access_log=False, lifespan="off", timeout_keep_alive=600)
-        self.server = uvicorn.Server(config)
-        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-        self._task: asyncio.Task[None] | None = None
+        self.server = Http1Server(build_front(runtime), host, port, idle_timeout_s=600.0)
         self.port = port
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self.server.serve(), name="router-http-front")
-        while not self.server.started:
-            if self._task.done():
-                self._task.result()
-                raise Unavailable("the HTTP front stopped while starting")
-            await asyncio.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        await self.server.start()
+        self.port = self.server.port
         log.info("HTTP front serving", extra={"http_port": self.port})
 
     async def stop(self) -> None:
-        self.server.should_exit = True
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.server.stop()

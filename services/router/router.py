@@ -16,14 +16,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx
 import orjson
 
-from services.common.engine_client import EngineCallFailed, EngineClient, EngineNotReached
-from services.common.errors import RiptideError, Unavailable
+from services.common.errors import DeadlineExceeded, RiptideError, Unavailable
 from services.router import metrics
 from services.router.config import RouterConfig
-from services.router.engine_stream import open_stream
+from services.router.engine_calls import EngineCallFailed, EngineCalls, EngineNotReached
 from services.router.health import HealthChecker
 from services.router.policies import Choice, Policy, make_policy
 from services.router.registry import EngineRegistry
@@ -47,11 +45,11 @@ class Router:
     """Owns the policy; routes calls over the registry's targets."""
 
     def __init__(self, config: RouterConfig, registry: EngineRegistry, health: HealthChecker,
-                 client: EngineClient) -> None:
+                 calls: EngineCalls) -> None:
         self.config = config
         self.registry = registry
         self.health = health
-        self.client = client
+        self.calls = calls
         self.policy: Policy = make_policy(config.policy, config)
         self._policy_generation = -1
         self.num_spills = 0
@@ -109,30 +107,28 @@ class Router:
 
     async def generate(self, session_key: str, body: dict[str, Any]) -> RoutedReply:
         """Route one SGLang /generate body and return the engine's answer."""
-        target, reply = await self._route(session_key, body, self.client.generate)
+        target, reply = await self._route(session_key, body, self.calls.generate)
         meta = reply.get("meta_info") or {}
         return RoutedReply(reply, target, float(meta.get("e2e_latency") or 0.0))
 
     async def stream(self, session_key: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
         """Route a streaming /generate body; yields the engine's SSE lines unchanged."""
-        target, response = await self._route(
-            session_key, body, lambda url, b: open_stream(self.client.http, url, b),
-            keep_in_flight=True)
+        target, response = await self._route(session_key, body, self.calls.stream,
+                                             keep_in_flight=True)
         last, served = b"", False
         try:
-            async for text in response.aiter_lines():
-                line = text.encode()
+            async for line in response.lines():
                 if line.startswith(b"data:") and not line.startswith(_DONE):
                     last = line
                 yield line + b"\n"
             served = True
-        except httpx.HTTPError as exc:
-            self._failed(target, "failed", EngineCallFailed(f"{target.id}: stream broke: {exc!r}"))
-            raise Unavailable(f"{target.id}: stream broke ({type(exc).__name__}); "
+        except (EngineCallFailed, DeadlineExceeded) as exc:
+            self._failed(target, "failed", exc)
+            raise Unavailable(f"{target.id}: stream broke ({exc}); "
                               "not retried: generation had started") from exc
         finally:
             self._release(target)
-            await response.aclose()
+            await response.close()
         if served:
             self._served(session_key, target, _last_chunk(last))
 

@@ -21,6 +21,7 @@ from services.common.errors import Unavailable
 from services.common.service import ServiceRuntime
 from services.router import metrics
 from services.router.config import TUNABLE_FIELDS, RouterConfig
+from services.router.engine_calls import EngineCalls
 from services.router.health import HealthChecker
 from services.router.registry import EngineRegistry
 from services.router.router import RoutedReply, Router
@@ -45,7 +46,10 @@ class RouterRuntime(ServiceRuntime):
         self.registry = EngineRegistry(self.client, config.initial_weight_version,
                                        probe_timeout_s=config.health_timeout_s)
         self.health = HealthChecker(self.registry, config)
-        self.router = Router(config, self.registry, self.health, self.client)
+        self.calls = EngineCalls(timeout_s=config.generate_timeout_s,
+                                 connect_timeout_s=config.connect_timeout_s,
+                                 max_connections=config.max_connections, api_key=engine_api_key)
+        self.router = Router(config, self.registry, self.health, self.calls)
         self._started = False
         self._background: list[asyncio.Task[None]] = []
         self.front: Any = None
@@ -87,6 +91,7 @@ class RouterRuntime(ServiceRuntime):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.health.stop()
+        await self.calls.close()
         await self.client.close()
 
     def ready(self) -> bool:

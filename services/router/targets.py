@@ -34,6 +34,8 @@ class Engine:
             self.health_successes += 1
             if not self.healthy and self.health_successes >= admit_after:
                 self.healthy = True
+                for target in self.targets:  # the failed calls were the outage just ended
+                    target.close_circuit()
                 return "admitted"
             return None
         self.health_successes = 0
@@ -92,6 +94,10 @@ class Target:
             self.circuit_open_until = time.monotonic() + open_s
             return self.call_failures == open_after
         return False
+
+    def close_circuit(self) -> None:
+        self.call_failures = 0
+        self.circuit_open_until = 0.0
 
     def observe_latency(self, seconds: float) -> None:
         previous = self.mean_call_s or seconds

@@ -31,7 +31,7 @@ import redis
 from services.common import process
 from services.common.config import dump_config
 from services.local_stack import MAX_STALENESS, ensure_tiny_model, local_config
-from services.testing.proc_tree import descendants
+from services.testing.proc_tree import descendants, is_running
 
 SERVICES = ("router", "sandbox", "trainer", "rollout")
 
@@ -193,16 +193,22 @@ class FaultStack:
         self.faults[f"{name}:{sig.name}"] += 1
         return pid
 
-    def hang_engine(self, seconds: float) -> int:
-        """SIGSTOP the engine for `seconds` (or until the fleet kills it as hung)."""
+    def hang_engine(self, at_most_s: float) -> int:
+        """SIGSTOP the engine until the fleet kills it as hung (SIGCONT after `at_most_s` if
+        it never does); returns its pid. Raises if the signal did not stop it."""
         pid = self.kill("engine", signal.SIGSTOP)
         self.faults["engine:hang"] += 1
         self.faults["engine:SIGSTOP"] -= 1
-        time.sleep(seconds)
+        if not _holds_within(lambda: _state_of(pid) in ("T", None), 5):
+            raise AssertionError(f"engine {pid} is not stopped after SIGSTOP "
+                                 f"(state {_state_of(pid)})")
         try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+            _holds_within(lambda: not is_running(pid), at_most_s)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         return pid
 
     def fail_sandboxes(self, seconds: float, until_one_s: float = 90.0) -> int:
@@ -266,6 +272,25 @@ class FaultStack:
             rollout_dropped=dict((self.state("rollout").get("scheduler") or {})
                                  .get("dropped_groups") or {}),
         )
+
+
+def _holds_within(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
+
+
+def _state_of(pid: int) -> str | None:
+    """The process's state letter from /proc (T: stopped, Z: zombie); None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    state = stat[stat.rindex(")") + 2]
+    return None if state in ("Z", "X") else state
 
 
 def _newest_checkpoint_state(directory: Path) -> dict[str, Any]:

@@ -69,6 +69,7 @@ class SimEngine:
         self.abort_epoch = 0
         self._next_rank = 0
         self.last_request: dict[str, Any] = {}
+        self.port = 0  # set once bound; meta_info names it (which engine served a routed call)
 
     async def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         route = self.routes.get(path)
@@ -243,6 +244,7 @@ class SimEngine:
             "prompt_tokens": len(ids), "completion_tokens": len(output), "cached_tokens": cached,
             "weight_version": self.weight_version,
             "e2e_latency": time.monotonic() - started, "total_retractions": 0,
+            "sim_engine_port": self.port,
         }
         if body.get("return_logprob"):
             rng = random.Random(len(ids) * 7919 + len(output))
@@ -282,7 +284,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def _main(args: argparse.Namespace) -> None:
     engine = SimEngine(args)
     server = await start_json_server(engine.handle, args.host, args.port)
-    port = server.sockets[0].getsockname()[1]
+    port = engine.port = server.sockets[0].getsockname()[1]
     if args.ready_file:
         tmp = args.ready_file.with_suffix(".tmp")
         tmp.write_text(str(port))

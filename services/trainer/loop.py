@@ -228,6 +228,10 @@ class TrainerLoop:
                      self.state.weight_version)
             self._sync()
             self.stats.set_phase("waiting")
+            # From the push's end: the rollout's status needs a moment to show the engines
+            # ready, and asking at once would push (and bump the version) a second time.
+            self._next_weights_check = (time.monotonic()
+                                        + self.config.weight_sync.check_interval_s)
 
     def _reject(self, group: Any) -> str | None:
         """Why a group must not be trained (None: train it): older than max_staleness."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from services.testing.fault_stack import FaultStack
+from services.testing.proc_tree import is_running
 
 pytestmark = pytest.mark.slow
 STEP_TIMEOUT_S = 150.0
@@ -67,9 +68,12 @@ def test_engine_sigkill(stack: FaultStack) -> None:
 
 
 def test_engine_hang_is_killed_and_replaced(stack: FaultStack) -> None:
-    # Each missed check costs the 1 s interval plus the 5 s load timeout: 3 take ~18 s.
-    hung = stack.hang_engine(30.0)
-    # Missed health checks, then a kill and a fresh engine's start: slow on a busy machine.
+    # Each missed check costs the 1 s interval plus the 5 s load timeout: 3 take ~18 s, more
+    # on a busy machine; the engine stays stopped until the fleet kills it.
+    hung = stack.hang_engine(150.0)
+    assert not is_running(hung), \
+        f"the hung engine was not killed: {stack.state('rollout').get('engines')}"
+    # Then a fresh engine's start: slow on a busy machine.
     stack.wait_for(lambda: stack.pid("engine") not in (None, hung), 150, "a new engine")
     _goes_on_and_loses_nothing(stack, "engine hang")
 

@@ -29,6 +29,7 @@ from services.common import process
 from services.common.engine_client import EngineClient
 from services.common.ports import free_port
 from services.router.config import RouterConfig
+from services.router.engine_calls import EngineCalls
 from services.router.health import HealthChecker
 from services.router.registry import EngineRegistry
 from services.router.servicer import generate_body
@@ -117,6 +118,7 @@ def test_every_riptide_engine_call(engine: EngineProcess) -> None:
 
     async def calls() -> dict[str, Any]:
         client = EngineClient(timeout_s=60)
+        calls = EngineCalls(timeout_s=60, connect_timeout_s=5, max_connections=4)
         url = engine.url
         try:
             contract = await client.detect(url)
@@ -127,7 +129,7 @@ def test_every_riptide_engine_call(engine: EngineProcess) -> None:
                 "mode": contract.mode, "healthy": await client.healthy(url),
                 "info": await client.server_info(url), "version": await client.weight_version(url),
                 "load": await client.load(url), "targets": len(registered.targets),
-                "reply": await client.generate(url, generate_body(request)),
+                "reply": await calls.generate(url, generate_body(request)),
             }
             await client.pause(url, "retract")
             await client.resume(url)
@@ -137,6 +139,7 @@ def test_every_riptide_engine_call(engine: EngineProcess) -> None:
             await client.abort(url, "no-such-rid")
             return out
         finally:
+            await calls.close()
             await client.close()
 
     got = asyncio.run(calls())

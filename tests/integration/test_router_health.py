@@ -155,3 +155,18 @@ def test_configured_engine_that_starts_late_is_registered() -> None:
         with SimEngineProcess(port=port) as late:
             wait_for(lambda: bool(router.targets()))
             assert router.generate("late", ids()).engine_url == late.url
+
+
+def test_an_ejected_engine_that_is_back_is_readmitted_between_health_rounds(
+        engines: list[SimEngineProcess]) -> None:
+    # Full rounds every 3 s would need two of them (3-6 s) to re-admit it.
+    with RouterProcess(engine_urls=[e.url for e in engines], health_interval_s=3.0,
+                       health_timeout_s=0.5, unhealthy_after_failures=1,
+                       healthy_after_successes=2, readmit_probe_interval_s=0.1) as router:
+        sick = engines[0]
+        sick.control(fail_health=True)
+        wait_for(lambda: not target_of(router, sick.url)["healthy"], timeout_s=10)
+        sick.control(fail_health=False)
+        back = time.monotonic()
+        wait_for(lambda: target_of(router, sick.url)["routable"], timeout_s=10)
+        assert time.monotonic() - back < 2.0

@@ -151,3 +151,29 @@ def test_an_idle_trainer_pushes_weights_when_the_engines_lack_them(
     deadline = time.monotonic() + 1.0
     state = loop.run(lambda: time.monotonic() > deadline)
     assert state.step == 0 and sync.delivered == [1] and len(asked) >= 3
+
+
+class SlowSync(FlakySync):
+    """A push that takes `seconds`, as a real one does."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(0)
+        self.seconds = seconds
+
+    def __call__(self, version: int) -> None:
+        time.sleep(self.seconds)
+        super().__call__(version)
+
+
+def test_the_next_ask_waits_a_whole_interval_after_an_idle_push(
+    redis_url: str, workdir: Path
+) -> None:
+    # The rollout's status still says "needs weights" for a moment after a push; an ask timed
+    # from before the push would push (and bump the version) again at once.
+    sync = SlowSync(0.8)
+    loop = _loop(redis_url, workdir, sync)
+    loop.config.weight_sync.check_interval_s = 1.0
+    loop.needs_weights = lambda: True
+    deadline = time.monotonic() + 2.4
+    loop.run(lambda: time.monotonic() > deadline)
+    assert sync.delivered == [1, 2]  # at 0 s and 1.8 s; timed from the ask: 0, 1 and 2 s

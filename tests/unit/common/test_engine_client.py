@@ -14,14 +14,8 @@ import httpx
 import pytest
 
 from services._proto.riptide.v1 import router_pb2
-from services.common.engine_client import (
-    EngineCallError,
-    EngineCallFailed,
-    EngineClient,
-    EngineNotReached,
-)
+from services.common.engine_client import EngineCallError, EngineClient
 from services.common.engine_contract import weight_version_spans
-from services.common.errors import InvalidRequest
 from services.rollout.config import FleetConfig
 from services.rollout.fleet import EngineFleet
 from services.rollout.router_link import NoRouter
@@ -97,21 +91,6 @@ def test_deprecated_routes_are_the_fallback(section: str, version: str, load: tu
     assert got_version == version
     assert [(x.dp_rank, x.num_reqs, x.num_waiting_reqs, x.num_tokens) for x in loads] == [load]
     assert seen.seen[0][1] == "/model_info"  # the current route is tried first
-
-
-@pytest.mark.parametrize("name,raised,text", [
-    ("context", InvalidRequest, "Requested token count exceeds"),
-    ("duplicate_rid", InvalidRequest, "Duplicate request ID"),
-    ("schema", InvalidRequest, "valid list"),
-    ("starting", EngineNotReached, "503"),
-    ("internal", EngineCallFailed, "illegal memory access"),
-])
-def test_generate_errors_are_classified(name: str, raised: type, text: str) -> None:
-    status, body = FIXTURES["errors"][name]
-    engines, _ = client("current", routes={"POST /generate": body},
-                        status={"POST /generate": status})
-    with pytest.raises(raised, match=text):
-        run(engines.generate(URL, {"input_ids": [1]}))
 
 
 @pytest.mark.parametrize("name", ["validation", "weights", "context"])
@@ -220,8 +199,8 @@ def test_every_call_carries_the_engines_key() -> None:
 
     async def go(api_key: str | None) -> None:
         engines = EngineClient(transport=httpx.MockTransport(answer), api_key=api_key)
-        await engines.generate(URL, {"input_ids": [1]})
         await engines.pause(URL, "retract")
+        await engines.abort(URL)
         await engines.healthy(URL)
         await engines.close()
 

@@ -41,6 +41,20 @@ def test_circuit_opens_after_failed_calls_then_half_opens_for_one_trial() -> Non
     assert target.routable(None, 3) and target.call_failures == 0
 
 
+def test_readmission_closes_the_circuit_its_outage_opened() -> None:
+    engine = Engine(url="http://e:1")
+    target = Target(engine, 0)
+    engine.targets.append(target)
+    for _ in range(3):
+        engine.record_health(False, 3, 2)
+        target.record_call(False, 3, 60.0)  # calls to it failed while it was down
+    assert not target.routable(None, 3)
+    engine.record_health(True, 3, 2)
+    assert not target.routable(None, 3)  # one success does not re-admit it
+    assert engine.record_health(True, 3, 2) == "admitted"
+    assert target.routable(None, 3)  # not another 60 s of a closed door after it is back
+
+
 def test_unhealthy_or_leaving_engine_is_not_routable() -> None:
     target = Target(Engine(url="http://e:1"), 0)
     target.engine.healthy = False
