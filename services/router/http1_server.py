@@ -1,6 +1,6 @@
 """A lean HTTP/1.1 server on asyncio and httptools' C parser, for the router's HTTP front.
 
-uvicorn and Starlette spent a third of the front's per-call CPU in their own layers; the
+uvicorn and Starlette spent about a quarter of the front's per-call CPU in their own layers; the
 front needs only this: keep-alive, requests read whole (Content-Length or chunked, up to
 `max_body_bytes`), answers with a body or streamed in chunks (SSE), `Expect: 100-continue`,
 pipelined requests answered in order, and precise errors for what it refuses (400 bad HTTP,
