@@ -316,6 +316,31 @@ def logprob_kernel_check() -> dict[str, Any]:
             "grad_max_abs": float(ref.float().abs().max())}  # fmt: skip
 
 
+def rope_kernel_check() -> dict[str, Any]:
+    """rope.py's compiled rotation against megatron's eager RoPE, bf16 queries of a packed
+    row [8192, 14, 64] (four sequences), forward and gradient max abs differences."""
+    import torch
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from services.trainer import rope
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t = torch.randn(8192, 14, 64, device="cuda", generator=gen).bfloat16().requires_grad_()
+    inv = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    angles = torch.outer(torch.arange(4096, device="cuda").float(), inv)
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    cu = torch.tensor([0, 1000, 4096, 5000, 8192], dtype=torch.int32)
+    upstream = torch.randn(t.shape, device="cuda", generator=gen).bfloat16()
+    got = rope.rope_thd(t, cu, freqs)
+    (got_grad,) = torch.autograd.grad((got * upstream).float().sum(), t)
+    rows = freqs.index_select(0, rope.thd_positions(cu, freqs.device))
+    want = _apply_rotary_pos_emb_bshd(t.unsqueeze(1), rows).squeeze(1)
+    (want_grad,) = torch.autograd.grad((want * upstream).float().sum(), t)
+    return {"rope_max_abs_diff": float((got - want).float().abs().max()),
+            "rope_grad_max_abs_diff": float((got_grad - want_grad).float().abs().max()),
+            "rope_max_abs": float(want.float().abs().max())}  # fmt: skip
+
+
 def fused_output_check() -> dict[str, Any]:
     """fused_output.py's output layer + log-prob against logits then the chunked log-probs,
     bf16 hidden states [3000, 896] and a 151,936 x 896 weight at T = 0.8 (max abs
@@ -373,6 +398,7 @@ def main() -> None:
     results["optimizer_check"] = optimizer_check()
     results["logprob_kernel_check"] = logprob_kernel_check()
     results["fused_output_check"] = fused_output_check()
+    results["rope_kernel_check"] = rope_kernel_check()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for shape in args.shapes.split(","):
         sides = {}

@@ -39,13 +39,23 @@ def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
     return targets
 
 
+def _sequence_starts(cu_seqlens: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The packed row's sequence starts as an index on `device`, copied without waiting for
+    the GPU (from pinned memory): indexing with a Python list would copy it synchronously,
+    once forward and once backward, and stall the host that queues the GPU's work."""
+    starts = torch.tensor(list(cu_seqlens[:-1]), dtype=torch.long)
+    if device.type == "cuda":
+        return starts.pin_memory().to(device, non_blocking=True)
+    return starts.to(device)
+
+
 def align_logprobs(next_logprobs: torch.Tensor, cu_seqlens: CuSeqlens = None) -> torch.Tensor:
     """Log-probs of each token [B, S] from those of each position's next token: shifted right
     by one, 0 at every sequence's first token."""
     out = torch.zeros(next_logprobs.shape, dtype=torch.float32, device=next_logprobs.device)
     out[:, 1:] = next_logprobs[:, :-1]
     if cu_seqlens is not None:
-        out[:, list(cu_seqlens[:-1])] = 0.0
+        out = out.index_fill(1, _sequence_starts(cu_seqlens, out.device), 0.0)
     return out
 
 

@@ -265,9 +265,9 @@ def build_gpt_model(
         sequence_parallel=sequence_parallel, recompute=recompute,
     )  # fmt: skip
     spec = attention_spec(shape, attention, ps.get_context_parallel_world_size())
-    from services.trainer import packed_rope
+    from services.trainer import rope
 
-    packed_rope.install()  # THD rows' RoPE in one gather, not a slice per sequence
+    rope.install()  # RoPE tables once a forward, one fused rotation (THD: one gather)
     if config.tensor_model_parallel_size > 1 and attention != "te":
         from services.trainer.sequence_parallel import use_tp_norms
 
