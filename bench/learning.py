@@ -10,8 +10,11 @@ held-out tasks greedily with the RL run's initial weights (the warm-started ones
 with its last checkpoint: same tasks, same settings, same engine. The baseline is the RL run's
 initial model; `rl_from` says which it is.
 
-On CPU the engine and the trainer compute in bfloat16 (`--dtype`; Adam keeps fp32 master
-weights), which is several times faster than fp32 on processors with bf16 matrix units.
+On CPU the engine and the trainer compute in bfloat16 where the processor has bf16 matrix
+units (several times faster than fp32 there) and in float32 where it has none (bf16 matmuls
+then run about fifty times slower than fp32): `--dtype auto`; Adam keeps fp32 master weights.
+The trainer scores each group's shared prompt once per micro-batch (`trainer.shared_prefix`,
+packed rows; `--no-shared-prefix` for whole rows).
 
 Usage: python bench/learning.py [--steps 40] [--budget-min 30] [--warm-start-steps 12]
 Last line: {"per_step_reward": [...], "heldout_initial": x, "heldout_final": y,
@@ -40,6 +43,15 @@ REPO = Path(__file__).resolve().parents[1]
 STARTER = REPO / "tasks" / "starter"
 AGENT = {"protocol": "markdown_bash", "max_turns": 3, "max_new_tokens": 64,
          "max_context_tokens": 2048, "wall_time_s": 300.0, "default_command_timeout_s": 10.0}
+
+
+def _resolve_dtype(dtype: str) -> str:
+    """`auto`: bfloat16 where oneDNN has bf16 kernels for this processor, else float32."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
 
 def _eval(checkpoint: Path, base: Path | None, work: Path, dtype: str) -> dict[str, Any]:
@@ -96,6 +108,7 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
                     "max_concurrent_episodes": args.in_flight, "agent": AGENT},
         "trainer": {"rollout_batch_size": args.groups_per_step,
                     "max_tokens_per_microbatch": args.microbatch_tokens,
+                    "packed_sequences": args.shared_prefix, "shared_prefix": args.shared_prefix,
                     "model": {"hf_path": str(model), "dtype": args.dtype},
                     "optimizer": {"lr": args.lr, "stream_optimizer_state_to_disk": (
                         str(run_dir / "adam-state") if args.optimizer_on_disk else None)},
@@ -146,17 +159,22 @@ def main() -> None:
     parser.add_argument("--cooldown-passes", type=int, default=2,
                         help="passes a task sits out after a zero-variance group")
     parser.add_argument("--engine-threads", type=int, default=2)
-    parser.add_argument("--microbatch-tokens", type=int, default=1024,
-                        help="trainer micro-batch size: 1024 puts each sample in its own")
+    parser.add_argument("--microbatch-tokens", type=int, default=2048,
+                        help="trainer micro-batch size: 2048 holds a group's shared prompt and "
+                        "its 8 continuations")
+    parser.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                        help="packed rows, each group's prompt scored once (trainer.shared_prefix)")
     parser.add_argument("--optimizer-on-disk", action=argparse.BooleanOptionalAction,
                         default=True, help="Adam's fp32 state in files under the run dir")
     parser.add_argument("--eval-interval", type=int, default=10)
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
-                        help="engine and trainer compute dtype")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="engine and trainer compute dtype (auto: bfloat16 where the CPU "
+                        "has bf16 kernels, else float32)")
     parser.add_argument("--warm-start-steps", type=int, default=12,
                         help="riptide sft steps (4 trajectories each) before RL; 0: RL only")
     parser.add_argument("--warm-start-lr", type=float, default=3e-5)
     args = parser.parse_args()
+    args.dtype = _resolve_dtype(args.dtype)
     started = time.monotonic()
     if args.model is None:
         from services.common.model_fetch import fetch_model
@@ -205,7 +223,8 @@ def main() -> None:
     final = (_eval(checkpoints[-1], args.model, run_dir / "eval-final", args.dtype)
              if checkpoints else {})
     print(json.dumps({
-        "model": str(args.model), "rl_from": rl_from,
+        "model": str(args.model), "rl_from": rl_from, "dtype": args.dtype,
+        "shared_prefix": args.shared_prefix,
         "steps": trainer.get("step"), "groups_trained": trainer.get("num_groups_trained"),
         "per_step_reward": [rewards[k] for k in sorted(rewards)],
         "heldout_initial": initial["mean_success"],

@@ -6,7 +6,9 @@ prompt part masked out. Rows are grouped, longest first, into micro-batches of a
 `max_tokens_per_microbatch` tokens: right-padded rows [B, S] (each row starts at position 0),
 or with `packed` one row [1, T] of the samples back to back and their boundaries
 `cu_seqlens`, no padding (megatron's THD layout; per-sequence positions come from the
-boundaries). A sample longer than the budget is a micro-batch of its own.
+boundaries). A sample longer than the budget is a micro-batch of its own. With
+`shared_prefix` (packed only), the samples of a group hold their common prompt once per
+micro-batch, each sample's continuation attending to it (shared_prefix.py, `prefix_of`).
 Called by data.py; consumed by step.py.
 """
 
@@ -21,6 +23,7 @@ from torch import Tensor
 from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group
 from services.common.errors import InvalidRequest
 from services.trainer.loss import group_advantages
+from services.trainer.shared_prefix import shareable_len
 
 
 @dataclass
@@ -34,6 +37,8 @@ class MicroBatch:
     advantages: Tensor
     lengths: list[int]
     cu_seqlens: list[int] | None = None  # packed: sequence boundaries 0, len0, len0+len1, ...
+    #: packed with shared prefixes: per sequence, the earlier one it continues (-1: none)
+    prefix_of: list[int] | None = None
 
     @cached_property
     def num_loss_tokens(self) -> int:
@@ -46,7 +51,7 @@ class MicroBatch:
             return self
         return MicroBatch(self.input_ids.to(device), self.loss_mask.to(device),
                           self.rollout_logprobs.to(device), self.advantages.to(device),
-                          self.lengths, self.cu_seqlens)  # fmt: skip
+                          self.lengths, self.cu_seqlens, self.prefix_of)  # fmt: skip
 
 
 @dataclass
@@ -126,7 +131,7 @@ def _micro_batch(rows: list[_Row], pad_id: int) -> MicroBatch:
     return MicroBatch(ids, mask, logprobs, adv, [len(r.ids) for r in rows])
 
 
-def _packed_micro_batch(rows: list[_Row]) -> MicroBatch:
+def _packed_micro_batch(rows: list[_Row], prefix_of: list[int] | None = None) -> MicroBatch:
     lengths = [len(r.ids) for r in rows]
     cu = [0]
     for n in lengths:
@@ -142,6 +147,7 @@ def _packed_micro_batch(rows: list[_Row]) -> MicroBatch:
         advantages=row([[r.advantage] * len(r.ids) for r in rows], torch.float32),
         lengths=lengths,
         cu_seqlens=cu,
+        prefix_of=prefix_of,
     )
 
 
@@ -170,6 +176,64 @@ def _micro_batches(rows: list[_Row], budget: int, pad_id: int, packed: bool) -> 
     return [_packed_micro_batch(g) if packed else _micro_batch(g, pad_id) for g in groups]
 
 
+@dataclass
+class _Unit:
+    """Rows that share a micro-batch: a group's shared prefix (or none) and the rows that
+    continue it."""
+
+    prefix: _Row | None
+    rows: list[_Row]
+
+    @property
+    def cost(self) -> int:
+        return (len(self.prefix.ids) if self.prefix else 0) + sum(len(r.ids) for r in self.rows)
+
+
+def _shared_prefix_units(rows: list[_Row], budget: int) -> list[_Unit]:
+    """One group's rows as units: the shared prompt once with as many continuations (longest
+    first) as fit the budget beside it; a continuation alone is its whole row again."""
+    shared = shareable_len([r.ids for r in rows], [r.mask for r in rows])
+    rows = sorted(rows, key=lambda r: len(r.ids), reverse=True)
+    if shared == 0:
+        return [_Unit(None, [r]) for r in rows]
+    prefix = _Row(rows[0].ids[:shared], [0] * shared, [0.0] * shared, 0.0)
+    chunks: list[list[_Row]] = []
+    used = budget
+    for row in rows:
+        if used + len(row.ids) - shared > budget:
+            chunks.append([])
+            used = shared
+        chunks[-1].append(row)
+        used += len(row.ids) - shared
+    return [_Unit(None, chunk) if len(chunk) == 1 else _Unit(prefix, [
+        _Row(r.ids[shared:], r.mask[shared:], r.logprobs[shared:], r.advantage) for r in chunk])
+        for chunk in chunks]  # fmt: skip
+
+
+def _shared_prefix_micro_batches(units: list[_Unit], budget: int) -> list[MicroBatch]:
+    """Units packed (largest first) into rows of at most `budget` tokens; a unit larger than
+    the budget is a row of its own."""
+    out: list[MicroBatch] = []
+    rows: list[_Row] = []
+    prefix_of: list[int] = []
+    used = 0
+    for unit in sorted(units, key=lambda u: u.cost, reverse=True):
+        if rows and used + unit.cost > budget:
+            out.append(_packed_micro_batch(rows, prefix_of))
+            rows, prefix_of, used = [], [], 0
+        parent = -1
+        if unit.prefix is not None:
+            parent = len(rows)
+            rows.append(unit.prefix)
+            prefix_of.append(-1)
+        rows += unit.rows
+        prefix_of += [parent] * len(unit.rows)
+        used += unit.cost
+    if rows:
+        out.append(_packed_micro_batch(rows, prefix_of))
+    return out
+
+
 def sequence_micro_batches(
     sequences: list[tuple[list[int], list[int]]],
     max_tokens_per_microbatch: int,
@@ -193,21 +257,30 @@ def pack_groups(
     max_tokens_per_microbatch: int,
     pad_id: int = 0,
     packed: bool = False,
+    shared_prefix: bool = False,
 ) -> RolloutBatch:
-    """Pack (entry_id, group) pairs into a RolloutBatch (`packed`: THD micro-batches); samples
-    without a verdict are dropped."""
+    """Pack (entry_id, group) pairs into a RolloutBatch (`packed`: THD micro-batches;
+    `shared_prefix`: each group's common prompt once per micro-batch); samples without a
+    verdict are dropped."""
+    if shared_prefix and not packed:
+        raise ValueError("shared prefixes need packed micro-batches")
     rows: list[_Row] = []
+    units: list[_Unit] = []
     rewards: list[float] = []
     sample_versions: list[int] = []
     dropped = 0
     for _, group in entries:
         group_rows, group_rewards, group_dropped = _rows_of(group, normalize_std)
         rows += group_rows
+        if shared_prefix and group_rows:
+            units += _shared_prefix_units(group_rows, max_tokens_per_microbatch)
         rewards += group_rewards
         sample_versions += [group.min_weight_version] * len(group_rewards)
         dropped += group_dropped
     return RolloutBatch(
-        micro_batches=_micro_batches(rows, max_tokens_per_microbatch, pad_id, packed),
+        micro_batches=(_shared_prefix_micro_batches(units, max_tokens_per_microbatch)
+                       if shared_prefix else
+                       _micro_batches(rows, max_tokens_per_microbatch, pad_id, packed)),
         entry_ids=[entry_id for entry_id, _ in entries],
         group_ids=[g.group_id for _, g in entries],
         rewards=rewards,

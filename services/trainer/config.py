@@ -99,6 +99,13 @@ class TrainerConfig(ServiceConfig):
         " no padding computed; needs the fused or te attention backend and context_parallel"
         " = 1",
     )
+    shared_prefix: bool = Field(
+        False,
+        description="score each group's shared prompt once per micro-batch: its samples'"
+        " continuations attend to it in the same packed row (same log-probs and gradients,"
+        " fewer tokens computed); needs packed_sequences, the fused attention backend and"
+        " pipeline_parallel = 1",
+    )
     max_steps: int = Field(0, ge=0, description="stop after this many steps (0: run until told)")
     max_staleness: int | None = Field(
         None, ge=0, le=1_000_000,
@@ -148,5 +155,13 @@ class TrainerConfig(ServiceConfig):
         if self.packed_sequences and self.parallel.context_parallel > 1:
             raise ValueError(
                 "packed_sequences does not run under context_parallel > 1 yet; turn one off"
+            )
+        if self.shared_prefix and not (
+            self.packed_sequences and self.model.attention_backend == "fused"
+            and self.parallel.pipeline_parallel == 1
+        ):
+            raise ValueError(
+                "trainer.shared_prefix needs packed_sequences = true, model.attention_backend ="
+                " \"fused\" and parallel.pipeline_parallel = 1; set those, or turn it off"
             )
         return self

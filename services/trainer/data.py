@@ -69,6 +69,7 @@ class GroupStream:
         block_ms: int = 1000,
         pad_id: int = 0,
         packed: bool = False,
+        shared_prefix: bool = False,
     ) -> None:
         self.buffer = buffer
         self.consumer = consumer
@@ -78,6 +79,7 @@ class GroupStream:
         self.block_ms = block_ms
         self.pad_id = pad_id
         self.packed = packed
+        self.shared_prefix = shared_prefix
         self._backlog: deque[tuple[str, Group]] = deque()
         self._rejected: list[tuple[str, str, str]] = []
         self.total_wait_s = 0.0
@@ -154,7 +156,7 @@ class GroupStream:
             self.ack(duplicates)
         batch = pack_groups(
             entries, self.normalize_std, self.max_tokens_per_microbatch, self.pad_id,
-            self.packed,
+            self.packed, self.shared_prefix,
         )
         batch.wait_s = wait_s
         self.total_wait_s += wait_s

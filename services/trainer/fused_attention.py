@@ -8,7 +8,9 @@ cuDNN backend, on the CPU the math/flash CPU kernels, so CI runs the same module
 of at least `SDPA_MIN_TOKENS` (equal-length neighbours batched, as views of the packed
 tensors), and torch's `varlen_attn` (a document-causal flash kernel) for the shorter ones on
 CUDA in bf16/fp16; on the CPU (and in fp32), where that kernel does not run, each sequence
-runs SDPA on its own, which computes the same thing. K/V keep their fewer heads
+runs SDPA on its own, which computes the same thing. A row with shared prefixes
+(shared_prefix.py) runs SDPA a sequence, a continuation's queries against its prefix's keys
+and its own under a bottom-right causal mask (`shared_prefix_causal`). K/V keep their fewer heads
 (grouped-query attention without repeating them in memory) wherever the kernel takes them.
 
 `FusedContextParallelAttention` is context_parallel.py's attention on the same kernels: K and V
@@ -29,7 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services.common.errors import ConfigError
+from services.trainer import shared_prefix
 from services.trainer.context_parallel import CausalCoreAttention, ContextParallelAttention
+from services.trainer.contiguous_grad import contiguous_grad
 
 
 @cache
@@ -56,12 +60,16 @@ def _on_device(bounds: list[int], device: torch.device) -> Tensor:
     return _device_copies[key]
 
 
+def _sdpa(query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> Tensor:
+    """SDPA whose kernel gets its output's gradient contiguous (contiguous_grad.py: cuDNN's
+    backward got a compiled layer's strided one wrong)."""
+    return contiguous_grad(F.scaled_dot_product_attention(query, key, value, **kwargs))
+
+
 def causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
     """Causal attention of [b, heads, s, d] queries against [b, kv_heads, s, d] keys/values."""
     gqa = query.size(1) != key.size(1)
-    return F.scaled_dot_product_attention(
-        query, key, value, is_causal=True, scale=scale, enable_gqa=gqa
-    )
+    return _sdpa(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
 #: Sequences of at least this many tokens run SDPA (cuDNN's Hopper kernels on an H100/H200,
@@ -127,6 +135,41 @@ def packed_causal(
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _attend_after(query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+    """[n, heads, d] queries, the last n of the [m, kv_heads, d] keys and values, causal:
+    query j sees keys up to m - n + j (the first m - n are a prefix everyone sees)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    gqa = q.size(1) != k.size(1)
+    if q.size(2) == k.size(2):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=gqa)  # fmt: skip
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_lower_right(q.size(2), k.size(2)), scale=scale,
+            enable_gqa=gqa)  # fmt: skip
+    return out[0].transpose(0, 1)
+
+
+def shared_prefix_causal(
+    query: Tensor, key: Tensor, value: Tensor, bounds: list[int], prefix_of: tuple[int, ...],
+    scale: float,
+) -> Tensor:
+    """Packed attention where sequence i continues sequence `prefix_of[i]` (-1: none,
+    shared_prefix.py): its queries attend to all of that prefix's keys, then causally to its
+    own; every other sequence attends causally to itself (SDPA a sequence)."""
+    parts = []
+    for i, parent in enumerate(prefix_of):
+        start, end = bounds[i], bounds[i + 1]
+        k, v = key[start:end], value[start:end]
+        if parent >= 0:
+            k = torch.cat((key[bounds[parent] : bounds[parent + 1]], k))
+            v = torch.cat((value[bounds[parent] : bounds[parent + 1]], v))
+        parts.append(_attend_after(query[start:end], k, v, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class FusedAttention(CausalCoreAttention):
     """Causal core attention on fused kernels, for right-padded or packed (THD) rows.
 
@@ -153,8 +196,14 @@ class FusedAttention(CausalCoreAttention):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ConfigError(f"packed rows must be THD, not {packed_seq_params.qkv_format}")
-            out = packed_causal(query, key, value, packed_seq_params.cu_seqlens_q,
-                                int(packed_seq_params.max_seqlen_q), self.softmax_scale)
+            cu = packed_seq_params.cu_seqlens_q
+            prefix_of = shared_prefix.layout_of(cu)
+            if prefix_of is not None:
+                out = shared_prefix_causal(query, key, value, [int(b) for b in cu.tolist()],
+                                           prefix_of, self.softmax_scale)  # fmt: skip
+            else:
+                out = packed_causal(query, key, value, cu, int(packed_seq_params.max_seqlen_q),
+                                    self.softmax_scale)  # fmt: skip
             return out.reshape(out.size(0), -1)
         sq, batch, heads, _ = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, h]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from services.trainer import chunked_logprobs, logprob_kernels
+from services.trainer.contiguous_grad import contiguous_grad
 
 #: Tokens per chunk: a chunk's logits are chunk x V/TP in the weight's dtype (bf16 at a 150k
 #: vocabulary: 0.6 GB), plus an fp32 copy on the CPU path.
@@ -96,20 +97,6 @@ class _HiddenLogprobs(torch.autograd.Function):
                 None, None, None)  # fmt: skip
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient: the model's transposes make
-    it a strided view, and megatron's mappings reduce it in place over the TP group (gloo
-    would reduce a strided view wrongly)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
 def hidden_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
     chunk_tokens: int | None = None,
@@ -158,7 +145,7 @@ def output_hidden(model: Any) -> Iterator[dict[str, Tensor]]:
             out = gather_from_sequence_parallel_region(input_, group=group)
         else:
             out = copy_to_tensor_model_parallel_region(input_, group=group)
-        return _ContiguousGrad.apply(out), None
+        return contiguous_grad(out), None
 
     layer.forward = forward
     try:

@@ -47,6 +47,9 @@ def pad_micro_batch(mb: MicroBatch, rows: int, width: int) -> MicroBatch:
         cu_seqlens=None if mb.cu_seqlens is None else (
             list(mb.cu_seqlens) + ([width] if width > num_cols else [])
         ),
+        prefix_of=None if mb.prefix_of is None else (
+            list(mb.prefix_of) + ([-1] if width > num_cols else [])
+        ),
     )
 
 
@@ -59,6 +62,7 @@ def dummy_micro_batch(like: MicroBatch, rows: int, width: int) -> MicroBatch:
         advantages=like.advantages[:0, :0],
         lengths=[],
         cu_seqlens=None if like.cu_seqlens is None else [0],
+        prefix_of=None if like.prefix_of is None else [],
     )
     return pad_micro_batch(empty, rows, width)
 

@@ -11,7 +11,9 @@ context-parallel paths keep the logits).
 Micro-batches are right-padded rows [B, S] or packed rows: one row [1, T] of sequences back
 to back with their boundaries `cu_seqlens` (0, len0, len0+len1, ...), which run through
 megatron's THD path (per-sequence RoPE positions, document-causal attention on the fused
-backend), no padding computed. Gradients flow, so the loss can use these directly. With
+backend), no padding computed; `prefix_of` marks sequences that continue an earlier one of
+the row, a group's shared prompt (shared_prefix.py). Gradients flow, so the loss can use
+these directly. With
 pipeline parallelism, `pipelined_token_logprobs` runs megatron's forward-only schedule across
 the stages (a training step's schedule runs `stage_forward` and `stage_logprobs` the same
 way, which under context parallelism run each CP rank's chunks, context_parallel.py).
@@ -25,7 +27,9 @@ from typing import Any
 import torch
 
 from services.common.errors import ConfigError
+from services.trainer import shared_prefix
 from services.trainer.chunked_logprobs import target_logprobs
+from services.trainer.shared_prefix import PrefixOf
 
 #: Sequence boundaries of a packed row (None: right-padded rows).
 CuSeqlens = Sequence[int] | None
@@ -68,22 +72,29 @@ def token_logprobs_from_logits(
     return align_logprobs(next_lp, cu_seqlens)
 
 
-def packed_seq_params(cu_seqlens: Sequence[int]) -> Any:
-    """megatron's THD PackedSeqParams for sequences with boundaries `cu_seqlens`. The
-    boundaries stay on the CPU: megatron's THD RoPE reads them as Python lengths in every
-    layer, which from a GPU tensor would wait for the GPU each time (fused_attention.py
-    copies them to the GPU once for its kernel)."""
+def packed_seq_params(cu_seqlens: Sequence[int], prefix_of: PrefixOf | None = None) -> Any:
+    """megatron's THD PackedSeqParams for sequences with boundaries `cu_seqlens` (and, for
+    shared prefixes, `prefix_of` tagged on the boundaries tensor). The boundaries stay on the
+    CPU: megatron's THD RoPE reads them as Python lengths in every layer, which from a GPU
+    tensor would wait for the GPU each time (fused_attention.py copies them to the GPU once
+    for its kernel)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     bounds = list(cu_seqlens)
     cu = torch.tensor(bounds, dtype=torch.int32)
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    if prefix_of is None:
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    else:
+        shared_prefix.check_layout(bounds, prefix_of)
+        shared_prefix.tag(cu, prefix_of)
+        longest = shared_prefix.longest_context(bounds, prefix_of)  # the RoPE table's length
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
 
 
 def forward_logits(
-    model: Any, input_ids: torch.Tensor, cu_seqlens: CuSeqlens = None
+    model: Any, input_ids: torch.Tensor, cu_seqlens: CuSeqlens = None,
+    prefix_of: PrefixOf | None = None,
 ) -> torch.Tensor:
     """Vocab-parallel logits [B, S, V/TP] of right-padded rows (causal attention, no mask),
     or of one packed row [1, T] with boundaries `cu_seqlens`. Under sequence parallelism the
@@ -98,8 +109,9 @@ def forward_logits(
     if cu_seqlens is not None:
         if batch != 1:
             raise ValueError(f"a packed micro-batch is one row, not {batch}")
-        bounds = list(cu_seqlens) + ([padded.shape[1]] if padded.shape[1] != seq else [])
-        packed = packed_seq_params(bounds)
+        extra = [padded.shape[1]] if padded.shape[1] != seq else []  # SP's pad sequence
+        layout = None if prefix_of is None else list(prefix_of) + [-1] * len(extra)
+        packed = packed_seq_params(list(cu_seqlens) + extra, layout)
     output = model(padded, position_ids.unsqueeze(0).expand(batch, -1), None,
                    packed_seq_params=packed)  # fmt: skip
     if padded.shape[1] != seq and getattr(model, "post_process", True):
@@ -140,7 +152,7 @@ def stage_logprobs(
 
 def token_logprobs(
     model: Any, input_ids: torch.Tensor, temperature: float = 1.0, cu_seqlens: CuSeqlens = None,
-    fused: bool | None = None,
+    fused: bool | None = None, prefix_of: PrefixOf | None = None,
 ) -> torch.Tensor:
     """Log-probs [B, S] of right-padded rows `input_ids` [B, S] (padding only to the right,
     so it never affects the real tokens under causal attention), or of one packed row [1, T]
@@ -153,10 +165,10 @@ def token_logprobs(
     if fused is None:
         fused = not fused_output.on_cuda(model)
     if not (fused and fused_output.fusable(model)):
-        logits = forward_logits(model, input_ids, cu_seqlens)
+        logits = forward_logits(model, input_ids, cu_seqlens, prefix_of)
         return token_logprobs_from_logits(logits, input_ids, temperature, cu_seqlens)
     with fused_output.output_hidden(model) as used:
-        hidden = forward_logits(model, input_ids, cu_seqlens)  # [B, S, H]
+        hidden = forward_logits(model, input_ids, cu_seqlens, prefix_of)  # [B, S, H]
     targets = next_token_targets(input_ids)
     next_lp = fused_output.hidden_logprobs(hidden.reshape(-1, hidden.size(-1)), used["weight"],
                                            targets.reshape(-1), temperature)  # fmt: skip

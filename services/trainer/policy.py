@@ -19,7 +19,8 @@ from services.trainer.batch import MicroBatch
 from services.trainer.optimizer_shard import CombinedOptimizer
 from services.trainer.optimizer_stream import MasterAdam
 
-#: (model, input_ids) -> per-token log-probs; called with `cu_seqlens=` for packed rows.
+#: (model, input_ids) -> per-token log-probs; called with `cu_seqlens=` for packed rows (and
+#: `prefix_of=` where they share prefixes).
 LogprobFn = Callable[..., Tensor]
 #: Clips the gradients of the given params to a max norm in place; returns the norm before.
 ClipFn = Callable[[list[Tensor], float], float]
@@ -66,9 +67,12 @@ def causal_lm_logprobs(model: Any, input_ids: Tensor) -> Tensor:
 
 
 def logprob_keywords(batch: MicroBatch, temperature: float) -> dict[str, Any]:
-    """The log-prob function's keywords: a packed micro-batch's boundaries and a sampling
-    temperature other than 1 (functions for padded rows at T = 1 need neither)."""
+    """The log-prob function's keywords: a packed micro-batch's boundaries (and shared
+    prefixes) and a sampling temperature other than 1 (functions for padded rows at T = 1
+    need neither)."""
     out: dict[str, Any] = {} if batch.cu_seqlens is None else {"cu_seqlens": batch.cu_seqlens}
+    if batch.prefix_of is not None:
+        out["prefix_of"] = batch.prefix_of
     if temperature != 1.0:
         out["temperature"] = temperature
     return out

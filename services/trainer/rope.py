@@ -8,7 +8,8 @@ sequence. Those small kernels were a fifth of a GPU step's launches (the packed 
 an H200: 15,527 kernels and copies with megatron's per-layer tables, 12,071 with these). Here:
 - the tables `cos`/`sin` (in the activations' dtype, times `mscale`) are computed once per
   rotary tensor megatron passes to the layers (one per forward, `_tables`), for packed rows
-  after one gather of each token's position in its own sequence (`thd_positions`);
+  after one gather of each token's position in its own sequence (`thd_positions`; a
+  continuation of a shared prefix goes on from the prefix's positions);
 - the rotation `t * cos + rotate_half(t) * sin` is one function, compiled on CUDA by
   torch.compile into one kernel forward and one backward (`_rotate_fused`), eager elsewhere,
   where it is megatron's arithmetic operation for operation (the same tensor: tests in
@@ -28,6 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from services.common.errors import ConfigError
+from services.trainer import shared_prefix
+
 _positions: dict[tuple[Any, ...], Tensor] = {}  # recent batches' positions, by device
 _TABLES_KEPT = 8
 _tables_cache: dict[tuple[Any, ...], tuple[Any, int, Tensor, Tensor]] = {}
@@ -35,17 +39,23 @@ _tables_cache: dict[tuple[Any, ...], tuple[Any, int, Tensor, Tensor]] = {}
 
 def thd_positions(cu_seqlens: Tensor, device: torch.device) -> Tensor:
     """Each token's position in its own sequence [T] (int64 on `device`) for boundaries
-    `cu_seqlens` (0, len0, len0+len1, ...)."""
+    `cu_seqlens` (0, len0, len0+len1, ...); a sequence continuing a shared prefix goes on
+    from the prefix's length (shared_prefix.py)."""
     bounds = [int(b) for b in cu_seqlens.tolist()]
-    key = (device, *bounds)
+    prefix_of = shared_prefix.layout_of(cu_seqlens) or (-1,) * (len(bounds) - 1)
+    key = (device, tuple(bounds), prefix_of)
     if key not in _positions:
         if len(_positions) > 16:
             _positions.clear()
-        starts = torch.tensor(bounds[:-1], dtype=torch.long)
-        lengths = torch.tensor(bounds[1:], dtype=torch.long) - starts
-        tokens = torch.arange(bounds[-1] - bounds[0], dtype=torch.long)
-        _positions[key] = (tokens + bounds[0] - starts.repeat_interleave(lengths)).to(device)
+        _positions[key] = shared_prefix.positions(bounds, prefix_of).to(device)
     return _positions[key]
+
+
+def _needs_gather(freqs: Tensor, cu_seqlens: Tensor) -> bool:
+    """Whether the rows of `freqs` are positions to gather per token (megatron's table), not
+    already one per packed token (its exact-offset form, never used with shared prefixes)."""
+    return (freqs.size(0) != int(cu_seqlens[-1])
+            or shared_prefix.layout_of(cu_seqlens) is not None)  # fmt: skip
 
 
 def _tables(freqs: Tensor, dtype: torch.dtype, mscale: float,
@@ -54,12 +64,12 @@ def _tables(freqs: Tensor, dtype: torch.dtype, mscale: float,
     `freqs` the tokens use (for packed rows: each token's position in its sequence), kept
     while `freqs` lives unchanged: every layer of a forward gets the same rotary tensor."""
     bounds = None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens.tolist())
-    key = (id(freqs), dtype, mscale, bounds)
+    key = (id(freqs), dtype, mscale, bounds, shared_prefix.layout_of(cu_seqlens))
     kept = _tables_cache.get(key)
     if kept is not None and kept[0]() is freqs and kept[1] == freqs._version:
         return kept[2], kept[3]
     rows = freqs
-    if cu_seqlens is not None and freqs.size(0) != int(cu_seqlens[-1]):
+    if cu_seqlens is not None and _needs_gather(freqs, cu_seqlens):
         rows = freqs.index_select(0, thd_positions(cu_seqlens, freqs.device))
     cos = (torch.cos(rows) * mscale).to(dtype)
     sin = (torch.sin(rows) * mscale).to(dtype)
@@ -106,7 +116,7 @@ def rope_thd(
     if rotary_interleaved or multi_latent_attention:
         from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-        if freqs.size(0) != int(cu_seqlens[-1]):
+        if _needs_gather(freqs, cu_seqlens):
             freqs = freqs.index_select(0, thd_positions(cu_seqlens, freqs.device))
         return _apply_rotary_pos_emb_bshd(
             t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,
@@ -128,6 +138,10 @@ def _routed(original: Any) -> Any:
         t: Tensor, freqs: Tensor, config: Any, cu_seqlens: Tensor | None = None,
         mscale: float = 1.0, cp_group: Any = None,
     ) -> Tensor:
+        if shared_prefix.layout_of(cu_seqlens) is not None and (
+                config.apply_rope_fusion or (cp_group is not None and cp_group.size() != 1)):
+            raise ConfigError("shared-prefix rows need the unfused RoPE and context_parallel"
+                              " = 1; turn trainer.shared_prefix off")
         if config.apply_rope_fusion:
             return original(t, freqs, config, cu_seqlens, mscale, cp_group)  # type: ignore[no-any-return]
         if cu_seqlens is None:

@@ -152,7 +152,7 @@ class TrainerRuntime(ServiceRuntime):
         stream = GroupStream(
             SampleBuffer(self.redis, self.run_name), c.consumer_name, c.rollout_batch_size,
             c.loss.normalize_advantage_std, c.max_tokens_per_microbatch, c.read_block_ms,
-            c.pad_token_id, c.packed_sequences,
+            c.pad_token_id, c.packed_sequences, c.shared_prefix,
         )  # fmt: skip
         weight_sync = self._weight_sync = build_weight_sync(
             c.weight_sync, built.backend, self.grpc_token, self.engine_api_key

@@ -1,7 +1,8 @@
 """The fused attention backend against megatron's local spec on two gloo ranks: the same
 log-probs and gradients (fp32) at TP 1 (DP 2), TP 2, TP 2 with sequence parallelism, CP 2,
 PP 2 and EP 2 (an MoE model); packed rows (THD) equal the same rows run one by one under
-TP 2 with sequence parallelism; activation recomputation changes no gradient."""
+TP 2 with sequence parallelism, and so do two rows sharing a prefix run as one shared-prefix
+row; activation recomputation changes no gradient."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def _run(model: Any, layout: str, ids: Any, weights: Any, cu: list[int] | None = None) -> Any:
+def _run(model: Any, layout: str, ids: Any, weights: Any, cu: list[int] | None = None,
+         prefix_of: list[int] | None = None) -> Any:
     """Log-probs of `ids` (None before the last pipeline stage) after backward of a weighted
     sum of them, the gradients made whole across ranks as the policy's step does."""
     import torch
@@ -43,10 +45,36 @@ def _run(model: Any, layout: str, ids: Any, weights: Any, cu: list[int] | None =
         all_reduce_data_parallel_grads(list(model.parameters()))
         return seen[0] if seen else None
     fn = cp_token_logprobs if layout == "cp2" else token_logprobs
-    logprobs = fn(model, ids, cu_seqlens=cu) if cu is not None else fn(model, ids)
+    if prefix_of is not None:
+        logprobs = fn(model, ids, cu_seqlens=cu, prefix_of=prefix_of)
+    else:
+        logprobs = fn(model, ids, cu_seqlens=cu) if cu is not None else fn(model, ids)
     (logprobs * weights).sum().backward()
     all_reduce_data_parallel_grads(list(model.parameters()))
     return logprobs.detach()
+
+
+def _shared_prefix_diffs(model: Any, ids: Any, weights: Any) -> dict[str, float]:
+    """Two rows sharing their first 8 tokens, whole, against one shared-prefix row (the first
+    7 once, then each row's rest attending to them): log-probs and gradients of the tokens
+    after the shared part."""
+    import torch
+
+    rows = torch.stack([ids[0], torch.cat([ids[0, :8], ids[1, 8:]])])
+    tail = torch.zeros_like(weights)
+    tail[:, 8:] = weights[:, 8:]
+    model.zero_grad()
+    whole = _run(model, "sp", rows, tail)
+    whole_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    row = torch.cat([rows[0, :7], rows[0, 7:], rows[1, 7:]])[None]
+    shared = _run(model, "sp", row, torch.cat([tail[0, :7], tail[0, 7:], tail[1, 7:]])[None],
+                  [0, 7, 19, 31], [-1, 0, 0])  # fmt: skip
+    got = torch.stack([shared[0, 8:19], shared[0, 20:31]])
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {"sp_shared_prefix_diff": float((got - whole[:, 8:]).abs().max()),
+            "sp_shared_prefix_grad_diff": max(float((grads[n] - g).abs().max() / g.abs().max())
+                                              for n, g in whole_grads.items())}  # fmt: skip
 
 
 def fused_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]:
@@ -90,6 +118,7 @@ def fused_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]
             results["sp_packed_grad_diff"] = max(
                 float((packed_grads[n] - g).abs().max() / g.abs().max()) for n, g in grads.items()
             )
+            results.update(_shared_prefix_diffs(model, ids, weights))
         teardown_parallel()
     for layout in LAYOUTS:
         (lp_local, g_local), (lp_fused, g_fused) = got[(layout, "local", False)], got[
@@ -117,4 +146,6 @@ def test_fused_attention_equals_local_spec_in_every_layout() -> None:
             assert r[f"{layout}_grad_diff"] < 1e-5, (rank, layout)
         assert "pp2_logprob_diff" in r or rank == 0  # the last stage scored the rows
         assert r["sp_packed_diff"] < 1e-5 and r["sp_packed_grad_diff"] < 1e-5, rank
+        assert r["sp_shared_prefix_diff"] < 1e-5, rank
+        assert r["sp_shared_prefix_grad_diff"] < 1e-5, rank
         assert r["recompute_grad_diff"] == 0.0, rank

@@ -43,7 +43,8 @@ def test_hidden_logprobs_equal_logits_then_logprobs(
     got_grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
     want = target_logprobs(hidden @ weight.t(), targets, 0.8)
     want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight))
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # fp32 rounding: a matmul of a chunk's rows sums in another order than the whole one's
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
