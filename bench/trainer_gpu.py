@@ -14,9 +14,11 @@ training step over the same token rows for both sides:
 - `mixed`: 16 sequences of 256..4,096 tokens (seeded): the trainer packs them as above,
   transformers gets right-padded rows, 4 a micro-batch, longest first (padding computed).
 
-The trainer side is its own path: `build_gpt_model` (fused attention) -> `MasterAdam` on the
-GPU -> `step.train_step` (clipped PG loss, chunked log-probs, with `--fused-output on` the
-output layer fused into them, one minibatch). The baseline:
+The trainer side is its own path: `build_gpt_model` (fused attention; its layers compiled as
+`[trainer.model] compile_layers = "auto"` does on a GPU, `--compile off` eager; `on,off` runs
+both, and `compile_check` holds the compiled layers' log-probs and gradients against eager
+ones) -> `MasterAdam` on the GPU -> `step.train_step` (clipped PG loss, chunked log-probs,
+with `--fused-output on` the output layer fused into them, one minibatch). The baseline:
 `AutoModelForCausalLM.from_config(attn_implementation="sdpa")` in bf16, per-token log-probs
 from log_softmax of the fp32 logits, the same `policy_loss`, grad clipping and
 `torch.optim.AdamW(fused=True)`. Each side runs in its own process (clean peak memory), one
@@ -27,7 +29,7 @@ and the output layer; the causal attention's fwd+bwd; recomputation not counted)
 The last line printed is the JSON summary.
 
     python bench/trainer_gpu.py [--shapes 0.5b,1.5b] [--cases row2048,row8192,row32768,packed,mixed]
-        [--steps 3] [--fused-output auto|on|off]
+        [--steps 3] [--fused-output auto|on|off] [--compile on|off|on,off]
 """
 
 from __future__ import annotations
@@ -172,13 +174,14 @@ def _micro_batch(seqs: list[Any], packed: bool) -> Any:
     return MicroBatch(ids, mask, torch.full(ids.shape, -3.0, device=ids.device), adv, lengths, cu)
 
 
-def run_trainer(shape: str, cases: list[str], steps: int, fused_output: str = "auto"
-                ) -> dict[str, Any]:  # fmt: skip
+def run_trainer(shape: str, cases: list[str], steps: int, fused_output: str = "auto",
+                compile_mode: str = "on") -> dict[str, Any]:  # fmt: skip
     import functools
 
     import torch
 
     from services.trainer.batch import RolloutBatch
+    from services.trainer.layer_compile import compile_layers
     from services.trainer.logprobs import token_logprobs
     from services.trainer.loss import LossSettings
     from services.trainer.model import ModelShape, build_gpt_model
@@ -191,6 +194,8 @@ def run_trainer(shape: str, cases: list[str], steps: int, fused_output: str = "a
     init_parallel(ParallelConfig(), rank=0, world_size=1, master_port=29611)
     model_shape = ModelShape.from_hf(_hf_config(shape))
     model = build_gpt_model(model_shape, dtype="bfloat16", attention="fused")
+    if compile_mode == "on":
+        compile_layers(model)  # [trainer.model] compile_layers (auto: on on a GPU)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = MasterAdam([p for _, p in named], lr=1e-6, no_decay=megatron_no_decay(named))
     fused = None if fused_output == "auto" else fused_output == "on"
@@ -367,10 +372,61 @@ def fused_output_check() -> dict[str, Any]:
             "grad_weight_max_abs": float(want_w.float().abs().max())}  # fmt: skip
 
 
+def compile_check() -> dict[str, Any]:
+    """Compiled layers (layer_compile.py) against the same model eager: log-probs and weight
+    gradients of a 4-layer Qwen2-0.5B-wide model in bf16, on a packed row of sequences of
+    1,500, 700 and 300 tokens and on a shared-prefix row of the same tokens (max abs
+    differences, and the scale of what they differ in)."""
+    import torch
+
+    from services.trainer.layer_compile import compile_layers
+    from services.trainer.logprobs import token_logprobs
+    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.model_config import ParallelConfig
+    from services.trainer.parallel import init_parallel
+
+    init_parallel(ParallelConfig(), rank=0, world_size=1, master_port=29612)
+    config = _hf_config("0.5b")
+    config.num_hidden_layers = 4
+    shape = ModelShape.from_hf(config)
+    model = build_gpt_model(shape, dtype="bfloat16", attention="fused")
+    ids = torch.randint(0, 151936, (1, 2500), generator=torch.Generator().manual_seed(0)).cuda()
+    rows = {"packed": ([0, 1500, 2200, 2500], None), "shared_prefix": ([0, 1500, 2200, 2500],
+                                                                       [-1, 0, 0])}
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1)).cuda()
+
+    def run() -> dict[str, tuple[Any, dict[str, Any]]]:
+        out = {}
+        for name, (cu, prefix_of) in rows.items():
+            model.zero_grad()
+            lp = token_logprobs(model, ids, cu_seqlens=cu, prefix_of=prefix_of)
+            (lp * weights).sum().backward()
+            out[name] = (lp.detach(), {n: p.grad.detach().clone()
+                                       for n, p in model.named_parameters()})  # fmt: skip
+        return out
+
+    eager = run()
+    compile_layers(model)
+    compiled = run()
+    report: dict[str, Any] = {}
+    for name in rows:
+        (lp_e, g_e), (lp_c, g_c) = eager[name], compiled[name]
+        report[name] = {
+            "logprob_max_abs_diff": float((lp_e - lp_c).abs().max()),
+            "logprob_max_abs": float(lp_e.abs().max()),
+            "grad_max_rel_diff": max(float((g_e[n] - g_c[n]).float().abs().max()
+                                           / g_e[n].float().abs().max().clamp_min(1e-12))
+                                     for n in g_e)}  # fmt: skip
+    return report
+
+
 def child(args: argparse.Namespace) -> None:
+    if args.child == "compile_check":
+        print(json.dumps(compile_check()), flush=True)
+        return
     cases = args.cases.split(",")
-    if args.child == "trainer":
-        out = run_trainer(args.shape, cases, args.steps, args.fused_output)
+    if args.child.startswith("trainer"):
+        out = run_trainer(args.shape, cases, args.steps, args.fused_output, args.compile)
     else:
         out = run_hf(args.shape, cases, args.steps)
     print(json.dumps(out), flush=True)
@@ -381,7 +437,10 @@ def main() -> None:
     parser.add_argument("--shapes", default="0.5b,1.5b")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--child", choices=["trainer", "hf"])
+    parser.add_argument("--child")
+    parser.add_argument("--compile", default="on",
+                        help="[trainer.model] compile_layers for the trainer: on or off; both "
+                        "(on,off) run as sides trainer and trainer_off")
     parser.add_argument("--shape", default="0.5b")
     parser.add_argument("--fused-output", choices=["auto", "on", "off"], default="auto",
                         help="[trainer.model] fused_output_logprobs (auto: off on a GPU)")
@@ -400,12 +459,21 @@ def main() -> None:
     results["fused_output_check"] = fused_output_check()
     results["rope_kernel_check"] = rope_kernel_check()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if "on" in args.compile.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--child", "compile_check"],
+                              capture_output=True, text=True, env=env)  # fmt: skip
+        lines = proc.stdout.strip().splitlines()
+        results["compile_check"] = (json.loads(lines[-1]) if proc.returncode == 0 and lines
+                                    else {"error": proc.stderr[-600:]})
+        print("compile_check", json.dumps(results["compile_check"]), flush=True)
     for shape in args.shapes.split(","):
         sides = {}
-        for side in ("trainer", "hf"):
+        modes = args.compile.split(",")
+        for side, mode in [("trainer", modes[0]), *[(f"trainer_{m}", m) for m in modes[1:]],
+                           ("hf", "off")]:
             cmd = [sys.executable, __file__, "--child", side, "--shape", shape,
                    "--cases", args.cases, "--steps", str(args.steps)]  # fmt: skip
-            cmd += ["--fused-output", args.fused_output]
+            cmd += ["--fused-output", args.fused_output, "--compile", mode]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = proc.stdout.strip().splitlines()
             if proc.returncode or not lines:
@@ -414,14 +482,19 @@ def main() -> None:
             else:
                 sides[side] = json.loads(lines[-1])
             print(shape, side, json.dumps(sides[side]), flush=True)
-        ratios = {}
-        for case in args.cases.split(","):
-            ours, theirs = sides["trainer"].get(case, {}), sides["hf"].get(case, {})
-            if "tokens_per_s" in ours and "tokens_per_s" in theirs:
-                ratios[case] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
-            else:
-                ratios[case] = None
-        results["shapes"][shape] = {**sides, "speedup": ratios}
+        speedups = {}
+        for side in sides:
+            if not side.startswith("trainer"):
+                continue
+            ratios = {}
+            for case in args.cases.split(","):
+                ours, theirs = sides[side].get(case, {}), sides["hf"].get(case, {})
+                if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+                    ratios[case] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
+                else:
+                    ratios[case] = None
+            speedups["speedup" + side[len("trainer"):]] = ratios
+        results["shapes"][shape] = {**sides, **speedups}
     print(json.dumps(results))
 
 

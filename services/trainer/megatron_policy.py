@@ -101,14 +101,18 @@ def build_model(
 
 def configured_model(config: TrainerConfig, shape: Any) -> Any:
     """model.build_gpt_model for `shape` with the configured dtype, layout, attention backend
-    and activation recomputation."""
+    and activation recomputation, its layers compiled as `compile_layers` says."""
+    from services.trainer.layer_compile import compile_layers, should_compile
     from services.trainer.model import build_gpt_model
 
-    return build_gpt_model(
+    model = build_gpt_model(
         shape, dtype=config.model.dtype, num_layers_per_stage=config.parallel.num_layers_per_stage,
         sequence_parallel=config.parallel.sequence_parallel,
         attention=config.model.attention_backend, recompute=config.model.recompute(),
     )  # fmt: skip
+    if should_compile(config.model.compile_layers, model):
+        compile_layers(model)
+    return model
 
 
 def build_optimizer(

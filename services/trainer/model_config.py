@@ -34,6 +34,12 @@ class ModelConfig(StrictModel):
         " a micro-batch (about 6% of a 0.5B step on an H200); auto: on where the model lives"
         " in host RAM, off on GPUs; pipeline and context parallel always keep whole logits",
     )
+    compile_layers: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="torch.compile each transformer layer (inductor: the layer's elementwise"
+        " kernels fused, its Python out of the GPU's way); the first micro-batch of a new shape"
+        " compiles; auto: on where the model is on a GPU, off on the CPU",
+    )
     recompute_granularity: Literal["none", "full", "selective"] = Field(
         "none",
         description="megatron activation recomputation: full (whole layers, see method and"

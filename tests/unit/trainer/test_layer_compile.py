@@ -1,0 +1,85 @@
+"""Compiled transformer layers (layer_compile.py) against eager ones, and the attention's
+contiguous output gradient that cuDNN's SDPA backward needs behind them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from services.common.ports import free_port
+from services.testing.hf_models import random_hf_model
+from services.trainer import fused_attention
+from services.trainer.contiguous_grad import contiguous_grad
+from services.trainer.convert import load_hf_weights
+from services.trainer.layer_compile import compile_layers, should_compile
+from services.trainer.logprobs import token_logprobs
+from services.trainer.model import ModelShape, build_gpt_model
+from services.trainer.model_config import ModelConfig, ParallelConfig
+from services.trainer.parallel import init_parallel, teardown_parallel
+
+
+def test_auto_compiles_only_on_a_gpu() -> None:
+    model = torch.nn.Linear(2, 2)
+    assert not should_compile("auto", model)
+    assert should_compile("on", model) and not should_compile("off", model)
+    assert ModelConfig().compile_layers == "auto"
+
+
+def test_attention_output_hands_back_a_contiguous_gradient() -> None:
+    q = torch.randn(1, 2, 5, 4, requires_grad=True)
+    out = fused_attention._sdpa(q, q, q, is_causal=True)
+    assert type(out.grad_fn).__name__ == "_ContiguousGradBackward"
+    seen: list[torch.Tensor] = []
+    inner = q * 1.0
+    inner.register_hook(seen.append)  # what reaches the kernel's backward
+    arrived = torch.randn(4, 5, 2, 1).permute(3, 2, 1, 0)  # a strided gradient, as compiled
+    assert not arrived.is_contiguous()
+    contiguous_grad(inner).backward(arrived)
+    assert seen[0].is_contiguous()
+    torch.testing.assert_close(seen[0], arrived)
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    init_parallel(ParallelConfig(), rank=0, world_size=1, master_port=free_port())
+    yield
+    teardown_parallel()
+
+
+@pytest.mark.slow
+def test_compiled_layers_score_like_eager_ones(one_rank: None) -> None:
+    """Padded rows, a packed row and a shared-prefix row through layers compiled by dynamo
+    (aot_eager: dynamo's graphs and graph breaks, autograd traced ahead, no code generation):
+    the same log-probs and gradients as eager."""
+    hf = random_hf_model("qwen2", num_layers=2, num_heads=4, num_kv_heads=2)
+    shape = ModelShape.from_hf(hf.config)
+    model = build_gpt_model(shape, dtype="float32", attention="fused")
+    load_hf_weights(model, shape, hf.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 96, (1, 30), generator=gen)
+    weights = torch.randn(ids.shape, generator=gen)
+    rows: dict[str, dict[str, Any]] = {
+        "padded": {}, "packed": {"cu_seqlens": [0, 18, 30]},
+        "shared_prefix": {"cu_seqlens": [0, 10, 18, 30], "prefix_of": [-1, 0, 0]},
+    }  # fmt: skip
+
+    def scores() -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        out = {}
+        for name, kwargs in rows.items():
+            model.zero_grad()
+            lp = token_logprobs(model, ids, **kwargs)
+            (lp * weights).sum().backward()
+            out[name] = (lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        return out
+
+    eager = scores()
+    assert compile_layers(model, backend="aot_eager") == 2
+    compiled = scores()
+    for name in rows:
+        torch.testing.assert_close(compiled[name][0], eager[name][0], atol=1e-5, rtol=0)
+        worst = max(float((compiled[name][1][n] - g).abs().max() / g.abs().max())
+                    for n, g in eager[name][1].items())  # fmt: skip
+        assert worst < 1e-4, (name, worst)  # fp32 rounding of reordered sums
