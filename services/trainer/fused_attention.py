@@ -141,14 +141,11 @@ def _attend_after(query: Tensor, key: Tensor, value: Tensor, scale: float) -> Te
     from torch.nn.attention.bias import causal_lower_right
 
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    gqa = q.size(1) != k.size(1)
     if q.size(2) == k.size(2):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=gqa)  # fmt: skip
+        out = causal_sdpa(q, k, v, scale)
     else:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=causal_lower_right(q.size(2), k.size(2)), scale=scale,
-            enable_gqa=gqa)  # fmt: skip
+        out = _sdpa(q, k, v, attn_mask=causal_lower_right(q.size(2), k.size(2)), scale=scale,
+                    enable_gqa=q.size(1) != k.size(1))  # fmt: skip
     return out[0].transpose(0, 1)
 
 
