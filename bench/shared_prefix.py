@@ -15,7 +15,7 @@ ids and rewards. Each layout runs in its own process through the trainer's own p
 
 Reports per layout the median step time, the tokens computed a step, peak RSS, and the loss
 and gradient norm of the first step, which must agree across layouts (the same objective).
-The last line printed is the JSON, with each layout's speedup over `padded`.
+The last line printed is the JSON, with each layout's speedup over the first of `--layouts`.
 
     python bench/shared_prefix.py [--model DIR] [--groups 1] [--steps 3]
 """
@@ -112,7 +112,8 @@ def main() -> None:
     if args.layout:
         print(json.dumps(child(args)), flush=True)
         return
-    passed = [a for a in sys.argv[1:] if not a.startswith("--layouts")]
+    passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+              if k not in ("layouts", "layout")]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     results: dict[str, Any] = {"shape": {k: getattr(args, k) for k in (
         "groups", "group_size", "prompt_tokens", "response_tokens", "micro_tokens", "dtype",
@@ -124,8 +125,9 @@ def main() -> None:
         results[layout] = (json.loads(lines[-1]) if proc.returncode == 0 and lines
                            else {"error": f"exit {proc.returncode}: {proc.stderr[-600:]}"})
         print(layout, json.dumps(results[layout]), flush=True)
-    base = results.get("padded", {}).get("step_s")
-    results["speedup_over_padded"] = {
+    first = args.layouts.split(",")[0]
+    base = results.get(first, {}).get("step_s")
+    results[f"speedup_over_{first}"] = {
         name: round(base / r["step_s"], 3) for name, r in results.items()
         if base and isinstance(r, dict) and "step_s" in r}  # fmt: skip
     print(json.dumps(results))
