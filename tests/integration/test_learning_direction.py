@@ -78,9 +78,12 @@ def test_steps_move_the_rewarded_token_the_advantage_s_way(tmp_path: Path,
         config = local_config(tmp_path, {
             "redis": {"url": redis_server.url},
             "rollout": {"task_ids": ["t"], "scheduler": {
-                "max_concurrent_samples": 16, "n_samples_per_prompt": 8,
+                "max_concurrent_samples": 32, "n_samples_per_prompt": 16,
                 "num_groups_per_batch": 2, "max_new_tokens": 1, "max_staleness": 1,
-                "drop_zero_variance_groups": True},
+                # Kept, so the steps come whatever the groups hold: once the penalised token's
+                # probability nears 0, every group is all-0 and dropping them would starve the
+                # trainer. A zero-variance group has advantage 0 and moves nothing.
+                "drop_zero_variance_groups": False},
                 "fleet": {"model_path": str(model), "log_dir": str(logs)}},
             "trainer": {"model": {"hf_path": str(model)}, "optimizer": {"lr": 0.02}},
         })
