@@ -16,7 +16,7 @@ import logging
 import subprocess
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.common import process
@@ -120,12 +120,14 @@ class Supervisor:
                                          f"{self.policy.max_failures} in "
                                          f"{self.policy.window_s:.0f}s)")
 
-    def stop_all(self, order: list[str] | None = None) -> None:
+    def stop_all(self, order: list[str] | None = None,
+                 grace_s: Mapping[str, float] | None = None) -> None:
         """Stop the children named in `order` (default: every one, reverse of adding) by
-        process group; the others keep running and stay supervised."""
+        process group, each given `grace_s[name]` (default 10 s) between SIGTERM and
+        SIGKILL; the others keep running and stay supervised."""
         names = list(reversed(self.children)) if order is None else order
         for name in names:
-            process.stop(self.children.pop(name).proc)
+            process.stop(self.children.pop(name).proc, (grace_s or {}).get(name, 10.0))
 
     def state(self) -> dict[str, dict[str, object]]:
         return {c.name: {"pid": c.proc.pid, "restarts": c.restarts,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +77,25 @@ def test_a_live_child_is_left_alone_and_stop_all_stops_it() -> None:
     assert sup.check() == []
     sup.stop_all()
     assert proc.poll() is not None and sup.children == {}
+
+
+def test_stop_all_gives_each_child_its_grace_before_the_kill(tmp_path: Path) -> None:
+    """A child that needs a second after SIGTERM to finish (as the trainer checkpoints) is
+    killed under a short grace and finishes under a longer one."""
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), "
+              "open(sys.argv[1], 'w').write('done'), sys.exit(0)))\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)\n")
+    for name, grace_s in (("killed", 0.2), ("finished", 20.0)):
+        sup = Supervisor()
+        marker = tmp_path / name
+        proc = sup.add(name, lambda m=marker: subprocess.Popen(  # type: ignore[misc]
+            [sys.executable, "-c", script, str(m)], stdout=subprocess.PIPE,
+            start_new_session=True))
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        sup.stop_all(grace_s={name: grace_s})
+        assert marker.exists() == (name == "finished"), name
 
 
 def test_a_configuration_error_exit_is_not_restarted() -> None:
