@@ -24,8 +24,8 @@ import statistics
 from typing import Any
 
 from services.rollout.config import SchedulerConfig
-from services.rollout.episodes import TaskCycle
 from services.rollout.scheduler import Scheduler
+from services.rollout.task_cycle import TaskCycle
 from services.testing.memory_sink import MemorySink
 from services.testing.sim_episodes import SimEpisodeRunner, VirtualEngine
 from services.testing.virtual_clock import run_virtual
@@ -46,7 +46,7 @@ async def _run_mode(granularity: str, max_staleness: int | None, steps: int, tra
         num_groups_per_batch=GROUPS_PER_BATCH, max_queued_groups=10_000,
         drop_zero_variance_groups=False)
     sink = MemorySink()
-    scheduler = Scheduler(config, TaskCycle([f"task-{i}" for i in range(89)], seed),
+    scheduler = Scheduler(config, TaskCycle([f"task-{i}" for i in range(89)], seed=seed),
                           SimEpisodeRunner(engines, seed=seed), sink, id_prefix=granularity)
     await scheduler.start()
     start = loop.time()

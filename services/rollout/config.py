@@ -11,6 +11,7 @@ from services.rollout.dashboard.config import DashboardConfig
 
 Granularity = Literal["sample", "group"]
 PauseMode = Literal["abort", "retract", "in_place"]
+TaskSampling = Literal["cycle", "informative"]
 
 
 class SchedulerConfig(StrictModel):
@@ -35,6 +36,16 @@ class SchedulerConfig(StrictModel):
         0, ge=0, le=1000,
         description="passes over the task set that a task sits out after a group of it came "
         "out with zero reward variance (0: never); spends generation on tasks that teach")
+    task_sampling: TaskSampling = Field(
+        "cycle", description="which task each group is of: cycle (shuffled passes, with the "
+        "zero-variance cooldown) or informative (drawn by the chance that a group of the task "
+        "has reward variance, from its recent groups)")
+    task_sampling_window_groups: int = Field(
+        4, ge=1, le=1000,
+        description="informative: the recent groups of a task its pass rate is estimated from")
+    task_sampling_floor: float = Field(
+        0.05, gt=0, le=1, description="informative: the least weight of a task, so every task "
+        "is drawn now and then")
     max_queued_groups: int = Field(
         16, ge=1, le=1_000_000,
         description="finished groups waiting for the buffer before admission stops")
@@ -161,7 +172,7 @@ class RolloutConfig(ServiceConfig):
         None, description="host:port of Router gRPC (default: the [router] section)")
     task_ids: list[str] = Field(
         default_factory=list, description="tasks to draw from (empty: all the sandbox lists)")
-    task_seed: int = Field(0, description="seed of the task order shuffle")
+    task_seed: int = Field(0, description="seed of the task sampler")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="admission")
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="engines")
     weight_update: WeightUpdateConfig = Field(

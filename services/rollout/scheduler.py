@@ -23,7 +23,6 @@ from services.rollout.config import SchedulerConfig
 from services.rollout.episodes import (
     EpisodeRunner,
     GroupSink,
-    TaskCycle,
     generated_versions,
     no_verdict_trajectory,
 )
@@ -31,6 +30,7 @@ from services.rollout.evaluation import EvalQueue
 from services.rollout.run_events import RolloutEvents
 from services.rollout.scheduler_stats import SchedulerStats
 from services.rollout.staleness import StalenessGate
+from services.rollout.task_sampler import TaskSampler
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class _OpenGroup:
 class Scheduler:
     """Keeps `max_concurrent_samples` episodes in flight and writes finished groups."""
 
-    def __init__(self, config: SchedulerConfig, tasks: TaskCycle, runner: EpisodeRunner,
+    def __init__(self, config: SchedulerConfig, tasks: TaskSampler, runner: EpisodeRunner,
                  sink: GroupSink, *, weight_version: int = 0, id_prefix: str = "",
                  backlog_samples: int = 0, can_generate: Callable[[], bool] | None = None,
                  evaluation: EvalQueue | None = None,
@@ -150,7 +150,7 @@ class Scheduler:
             "weight_version": self._gate.version,
             "staleness_budget": self._gate.budget(),
             "consecutive_failures": self.consecutive_failures,
-            "cooling_tasks": self._tasks.cooling,
+            "task_sampler": self._tasks.state(),
             "config": self.config.model_dump(),
             **self.stats.as_dict(now),
             **({"eval": self.evaluation.summary()} if self.evaluation is not None else {}),
@@ -315,8 +315,7 @@ class Scheduler:
         min_version = min(versions) if versions else min(group.start_versions)
         reason = self._drop_reason(samples, min_version)
         if all(t.status == common_pb2.VERDICT_STATUS_SCORED for t in samples):
-            self._tasks.record_group(group.task_id, len({t.reward for t in samples}) == 1,
-                                     self.config.zero_variance_cooldown_passes)
+            self._tasks.record_group(group.task_id, [t.reward for t in samples])
         if reason is not None:
             self.stats.dropped_groups[reason] += 1
             self.events.group_dropped(group.group_id, reason, self._gate.version, group.size)

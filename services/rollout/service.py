@@ -30,13 +30,14 @@ from services.common.grpc_client import aio_channel
 from services.common.service import ServiceRuntime
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
-from services.rollout.episodes import GroupSink, TaskCycle
+from services.rollout.episodes import GroupSink
 from services.rollout.evaluation import EvalQueue, eval_task_ids
 from services.rollout.fleet import EngineFleet
 from services.rollout.router_link import GrpcRouterLink, NoRouter
 from services.rollout.run_events import RolloutEvents
 from services.rollout.sandbox_runner import SandboxEpisodeRunner
 from services.rollout.scheduler import Scheduler
+from services.rollout.task_sampler import task_sampler
 from services.rollout.weight_update import WeightUpdateCoordinator
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,8 @@ class RolloutRuntime(ServiceRuntime):
             raise ConfigError("every task is a held-out eval task (rollout.eval): none is "
                               "left to train on")
         backlog = await self._backlog_groups()
-        scheduler = Scheduler(self.config.scheduler, TaskCycle(task_ids, self.config.task_seed),
+        tasks = task_sampler(self.config.scheduler, task_ids, self.config.task_seed)
+        scheduler = Scheduler(self.config.scheduler, tasks,
                               runner, sink, weight_version=self.fleet.current_version,
                               id_prefix=f"{self._run_name}-{secrets.token_hex(16)}",
                               backlog_samples=backlog * self.config.scheduler.n_samples_per_prompt,

@@ -7,9 +7,9 @@ import asyncio
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
 from services.rollout.config import EvalConfig, SchedulerConfig
-from services.rollout.episodes import TaskCycle
 from services.rollout.evaluation import EvalQueue
 from services.rollout.scheduler import Scheduler
+from services.rollout.task_cycle import TaskCycle
 from services.testing.memory_sink import MemorySink
 from services.testing.virtual_clock import run_virtual
 

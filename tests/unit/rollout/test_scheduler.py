@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
 from services.rollout.config import SchedulerConfig
-from services.rollout.episodes import TaskCycle
 from services.rollout.scheduler import Scheduler
+from services.rollout.task_cycle import TaskCycle
+from services.rollout.task_sampler import task_sampler
 from services.testing.memory_sink import MemorySink
 from services.testing.virtual_clock import run_virtual
 
@@ -59,7 +60,7 @@ def make(
         }
     )
     sink = MemorySink() if sink is None else sink
-    return Scheduler(cfg, TaskCycle(["a", "b", "c"]), runner, sink, id_prefix="t"), sink
+    return Scheduler(cfg, task_sampler(cfg, ["a", "b", "c"]), runner, sink, id_prefix="t"), sink
 
 
 def test_in_flight_holds_at_target_and_groups_flow() -> None:
@@ -428,12 +429,35 @@ def test_zero_variance_tasks_cool_down_so_generation_goes_to_tasks_that_teach() 
         await asyncio.sleep(12.5)  # twelve groups of 4, one after another
         await sched.stop()
         return sched.stats.dropped_groups["zero_variance"], len(sink.groups), \
-            sched.state()["cooling_tasks"]
+            sched.state()["task_sampler"]["cooling_tasks"]
 
     async def main() -> None:
         dropped, written, cooling = await run(cooldown=3)
         assert dropped <= 2 and written >= 10 and cooling in ([], ["a"])
         dropped, written, cooling = await run(cooldown=0)
         assert dropped >= 4 and written <= 9 and cooling == []
+
+    run_virtual(main())
+
+
+def test_informative_sampling_spends_generation_on_tasks_whose_groups_vary() -> None:
+    """Task "a" is always solved and "b" never; only "c"'s groups teach. Drawn by the chance
+    of variance, "c" gets most groups; a uniform cycle gives it a third."""
+
+    async def run(sampling: str) -> tuple[int, int]:
+        runner = ScriptedRunner(reward=lambda r: {"a": 1.0, "b": 0.0}.get(
+            r.task_id, float(r.sample_index % 2)))
+        sched, sink = make(runner, max_concurrent_samples=4, drop_zero_variance_groups=True,
+                           task_sampling=sampling, task_sampling_floor=0.05)
+        await sched.start()
+        await asyncio.sleep(24.5)  # 24 groups of 4, one after another
+        await sched.stop()
+        return sched.stats.dropped_groups["zero_variance"], len(sink.groups)
+
+    async def main() -> None:
+        dropped, written = await run("informative")
+        assert written >= 15 and dropped <= 9, (dropped, written)
+        dropped, written = await run("cycle")
+        assert written <= 10 and dropped >= 14, (dropped, written)
 
     run_virtual(main())
