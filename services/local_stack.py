@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 
 #: The services of the stack. They are started together; the order is only that of the logs.
 SERVICE_ORDER = ("router", "sandbox", "trainer", "rollout")
-# On SIGTERM the trainer finishes its step and checkpoints what it has not (so the run's last
-# steps survive a stop); a real model's step and checkpoint take far longer than 10 s.
+# On SIGTERM the trainer finishes its step, its weight sync and a checkpoint of what it has
+# not checkpointed (so the run's last steps survive a stop); for a real model that takes far
+# longer than the 10 s other services get.
 TRAINER_STOP_GRACE_S = 180.0
 #: The rollout's score mode: one evaluation of a model, no stream and no trainer.
 SCORE_ORDER = ("router", "sandbox", "rollout")
@@ -240,8 +241,10 @@ class LocalStack:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        """Stop the services, save the run's events (while Redis still runs), then Redis."""
-        names = [n for n in reversed(SERVICE_ORDER) if n in self.supervisor.children]
+        """Stop the services (the trainer first, while the engines it syncs to still run),
+        save the run's events (while Redis still runs), then Redis."""
+        order = ["trainer", *(n for n in reversed(SERVICE_ORDER) if n != "trainer")]
+        names = [n for n in order if n in self.supervisor.children]
         self.supervisor.stop_all(names, grace_s={"trainer": TRAINER_STOP_GRACE_S})
         if "redis" in self.supervisor.children and self.config.run.events.enabled:
             self.save_events()
