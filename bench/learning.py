@@ -14,7 +14,9 @@ On CPU the engine and the trainer compute in bfloat16 where the processor has bf
 units (several times faster than fp32 there) and in float32 where it has none (bf16 matmuls
 then run about fifty times slower than fp32): `--dtype auto`; Adam keeps fp32 master weights.
 The trainer scores each group's shared prompt once per micro-batch (`trainer.shared_prefix`,
-packed rows; `--no-shared-prefix` for whole rows).
+packed rows; `--no-shared-prefix` for whole rows), recomputes each layer's activations in the
+backward (`--recompute`) and checkpoints every 5 steps. Tasks are drawn by the chance that their
+next group has reward variance (`--task-sampling informative`).
 
 Usage: python bench/learning.py [--steps 40] [--budget-min 30] [--warm-start-steps 12]
 Last line: {"per_step_reward": [...], "heldout_initial": x, "heldout_final": y,
@@ -98,7 +100,8 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
             "max_concurrent_samples": args.in_flight, "n_samples_per_prompt": args.group_size,
             "num_groups_per_batch": args.groups_per_step, "max_new_tokens": AGENT["max_new_tokens"],
             "temperature": 0.8, "max_staleness": 2, "drop_zero_variance_groups": True,
-            "zero_variance_cooldown_passes": args.cooldown_passes},
+            "zero_variance_cooldown_passes": args.cooldown_passes,
+            "task_sampling": args.task_sampling},
             "fleet": {"model_path": str(model), "start_timeout_s": 600.0,
                       "builtin_args": ["--num-threads", str(args.engine_threads),
                                        "--dtype", args.dtype]},
@@ -107,9 +110,12 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
         "sandbox": {"tasks_dir": str(_tasks_dir(run_dir)), "tokenizer_path": str(model),
                     "max_concurrent_episodes": args.in_flight, "agent": AGENT},
         "trainer": {"rollout_batch_size": args.groups_per_step,
+                    "checkpoint": {"interval_steps": args.checkpoint_interval},
                     "max_tokens_per_microbatch": args.microbatch_tokens,
                     "packed_sequences": args.shared_prefix, "shared_prefix": args.shared_prefix,
-                    "model": {"hf_path": str(model), "dtype": args.dtype},
+                    "model": {"hf_path": str(model), "dtype": args.dtype, **(
+                        {"recompute_granularity": "full", "recompute_method": "uniform",
+                         "recompute_num_layers": 1} if args.recompute else {})},
                     "optimizer": {"lr": args.lr, "stream_optimizer_state_to_disk": (
                         str(run_dir / "adam-state") if args.optimizer_on_disk else None)},
                     "weight_sync": {"dtype": args.dtype}},
@@ -156,17 +162,27 @@ def main() -> None:
     parser.add_argument("--groups-per-step", type=int, default=1)
     parser.add_argument("--in-flight", type=int, default=16,
                         help="episodes in flight: two groups decode as one batch")
+    parser.add_argument("--task-sampling", default="informative",
+                        choices=("informative", "cycle"),
+                        help="informative: tasks drawn by the chance that a group of them has "
+                        "reward variance; cycle: shuffled passes with a cooldown")
     parser.add_argument("--cooldown-passes", type=int, default=2,
-                        help="passes a task sits out after a zero-variance group")
+                        help="cycle: passes a task sits out after a zero-variance group")
     parser.add_argument("--engine-threads", type=int, default=2)
     parser.add_argument("--microbatch-tokens", type=int, default=2048,
                         help="trainer micro-batch size: 2048 holds a group's shared prompt and "
                         "its 8 continuations")
     parser.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
                         help="packed rows, each group's prompt scored once (trainer.shared_prefix)")
+    parser.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
+                        help="recompute each layer's activations in the backward (the trainer "
+                        "idles while the engine generates; this keeps it under 3 GB)")
     parser.add_argument("--optimizer-on-disk", action=argparse.BooleanOptionalAction,
                         default=True, help="Adam's fp32 state in files under the run dir")
     parser.add_argument("--eval-interval", type=int, default=10)
+    parser.add_argument("--checkpoint-interval", type=int, default=5,
+                        help="trainer steps between checkpoints (the last step is always "
+                        "checkpointed when the run stops; the final eval scores it)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="engine and trainer compute dtype (auto: bfloat16 where the CPU "
                         "has bf16 kernels, else float32)")
@@ -236,7 +252,7 @@ def main() -> None:
         "trainer_idle_fraction": round(trainer.get("total_wait_s", 0.0) / rl_wall_s, 3),
         "trainer_peak_rss_mb": round(trainer_rss_mb),
         "cache_hit_rate": _cache_hit_rate(run_dir / "events.jsonl"),
-        "tasks_cooling_at_end": rollout.get("cooling_tasks"),
+        "task_sampler_at_end": rollout.get("task_sampler"),
         "heldout_initial_tasks": {t: r["success"] for t, r in initial["tasks"].items()},
         "heldout_final_tasks": {t: r["success"] for t, r in (final.get("tasks") or {}).items()},
         "warm_start": None if warm is None else {
