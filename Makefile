@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_STEPS ?= 3
 LEARN_ARGS ?=
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=30
 
 RUNTIME_DEPS := redis-server:redis-server bwrap:bubblewrap git:git
 # podman and debootstrap: the compose stack's test builds its images and runs them in podman;
