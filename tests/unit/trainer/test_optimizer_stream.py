@@ -57,9 +57,13 @@ def test_fp32_matches_torch_adam_bit_for_bit(tmp_path: Path, decoupled: bool) ->
     for a, b, c in zip(ref.parameters(), mem.parameters(), disk.parameters(), strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
     state = ref_opt.state[ref[1].weight]
+    # fp32 parameters are their own master weights: the buckets hold the moments alone.
+    numel = sum(p.numel() for p in disk.parameters())
+    assert disk_opt.master_in_params and mem_opt.master_in_params
+    assert disk_opt.state_nbytes() == mem_opt.state_nbytes() == 2 * 4 * numel
     disk_master, m, v = disk_opt._views(disk_opt.buckets[0], _read_bucket(tmp_path, 0))
     first = ref[0].weight.numel()
-    assert first > 200 and torch.equal(disk_master, ref[0].weight.view(-1)[:200])
+    assert first > 200 and disk_master is None
     assert torch.equal(m, ref_opt.state[ref[0].weight]["exp_avg"].view(-1)[:200])
     assert torch.equal(v, ref_opt.state[ref[0].weight]["exp_avg_sq"].view(-1)[:200])
     assert state["step"].item() == 5
@@ -101,24 +105,64 @@ def test_bf16_params_follow_fp32_master_of_torch_adamw(tmp_path: Path) -> None:
         assert torch.equal(master.detach().to(torch.bfloat16), p)
 
 
-def test_save_and_load_resume_identically(tmp_path: Path) -> None:
-    a, b = _model(torch.float32), _model(torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_and_load_resume_identically(tmp_path: Path, dtype: torch.dtype) -> None:
+    """As the policy's checkpoint does: the model's state, then the optimizer's (bf16
+    parameters are restored from the fp32 master; fp32 ones are their own master)."""
+    a, b = _model(dtype), _model(dtype)
     opt_a = MasterAdam(list(a.parameters()), lr=1e-2, state_dir=tmp_path / "a", bucket_mb=1e-3)
+    assert opt_a.master_in_params == (dtype == torch.float32)
     _run(a, opt_a, 2)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     opt_a.save(ckpt)
+    model_state = {k: v.clone() for k, v in a.state_dict().items()}
     opt_b = MasterAdam(list(b.parameters()), lr=1e-2, state_dir=tmp_path / "b", bucket_mb=1e-3)
+    b.load_state_dict(model_state)
     opt_b.load(ckpt)
-    for step in range(2, 4):
-        for model, opt in ((a, opt_a), (b, opt_b)):
-            _grads(model, step)
-            opt.step()
-    for x, y in zip(a.parameters(), b.parameters(), strict=True):
-        assert torch.equal(x, y)
+    _assert_same_steps_on((a, opt_a), (b, opt_b), steps=range(2, 4))
     wrong = MasterAdam(list(b.parameters()), state_dir=tmp_path / "c", bucket_mb=2e-3)
     with pytest.raises(ValueError, match="layout"):
         wrong.load(ckpt)
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_state_saved_with_a_master_copy_resumes_fp32_parameters(tmp_path: Path,
+                                                                 on_disk: bool) -> None:
+    """A checkpoint whose buckets hold the master (written by the whole-bucket path, or by
+    fp32 runs before their parameters were their own master) resumes identically: the copy
+    goes into the parameters, whatever the model's own state said."""
+    a, b = _model(torch.float32), _model(torch.float32)
+    opt_a = MasterAdam(list(a.parameters()), lr=1e-2, bucket_mb=1e-3, fused=True)
+    assert not opt_a.master_in_params
+    _run(a, opt_a, 2)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    opt_a.save(ckpt)
+    opt_b = MasterAdam(list(b.parameters()), lr=1e-2, bucket_mb=1e-3,
+                       state_dir=tmp_path / "b" if on_disk else None)
+    assert opt_b.master_in_params
+    opt_b.load(ckpt)  # b's parameters are still the initial ones: the master restores them
+    _assert_same_steps_on((a, opt_a), (b, opt_b), steps=range(2, 4))
+    bf16 = MasterAdam(list(_model(torch.bfloat16).parameters()), bucket_mb=1e-3)
+    with pytest.raises(ValueError, match="parameter dtype"):  # no master for bf16 ones
+        bf16.load(_saved(opt_b, tmp_path / "aliased"))
+
+
+def _assert_same_steps_on(first: tuple[torch.nn.Module, MasterAdam],
+                          second: tuple[torch.nn.Module, MasterAdam], steps: range) -> None:
+    for step in steps:
+        for model, opt in (first, second):
+            _grads(model, step)
+            opt.step()
+    for x, y in zip(first[0].parameters(), second[0].parameters(), strict=True):
+        assert torch.equal(x, y)
+
+
+def _saved(opt: MasterAdam, directory: Path) -> Path:
+    directory.mkdir()
+    opt.save(directory)
+    return directory
 
 
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
