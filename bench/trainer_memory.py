@@ -10,13 +10,16 @@ and optimizer (what the step adds is the difference), and the step's wall time:
 - `unfused`: logits [tokens, vocab] from the output layer, then chunked log-probs
   (`[trainer.model] fused_output_logprobs = "off"`);
 - `fused`: the output layer inside the log-prob chunks (fused_output.py; "on", what "auto"
-  picks on the CPU).
+  picks on the CPU);
+- `fused-adaptive-malloc`: `fused` with glibc's own adaptive mmap threshold
+  (`[trainer] host_mmap_threshold_mb` unset) instead of the trainer's fixed 1 MiB
+  (host_malloc.py): what freed host memory the allocator keeps.
 
 `--micro-tokens`, `--packed`, `--recompute` and `--optimizer-on-disk` set the trainer's
 max_tokens_per_microbatch, packed_sequences, full/uniform/1 recomputation and
 stream_optimizer_state_to_disk (a temporary folder). The last line printed is the JSON.
 
-    python bench/trainer_memory.py --model DIR [--variants unfused,fused] [--rows 16]
+    python bench/trainer_memory.py --model DIR [--variants fused,fused-adaptive-malloc]
 """
 
 from __future__ import annotations
@@ -63,16 +66,19 @@ def _step(args: argparse.Namespace, state_dir: str) -> dict[str, Any]:
     from services.trainer.step import train_step
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    fused = args.variant.startswith("fused")
     model: dict[str, Any] = {"hf_path": str(args.model), "dtype": args.dtype,
-                             "fused_output_logprobs": "on" if args.variant == "fused" else "off"}
+                             "fused_output_logprobs": "on" if fused else "off"}
     if args.recompute:
         model |= {"recompute_granularity": "full", "recompute_method": "uniform",
                   "recompute_num_layers": 1}  # fmt: skip
     optimizer: dict[str, Any] = {}
     if args.optimizer_on_disk:
         optimizer["stream_optimizer_state_to_disk"] = state_dir
+    adaptive = args.variant.endswith("adaptive-malloc")
     config = TrainerConfig(model=model, max_tokens_per_microbatch=args.micro_tokens,
-                           packed_sequences=args.packed, optimizer=optimizer)  # fmt: skip
+                           packed_sequences=args.packed, optimizer=optimizer,
+                           host_mmap_threshold_mb=None if adaptive else 1.0)  # fmt: skip
     built = build_policy(config)
     policy = built.policy
     loaded = _rss_gib()
@@ -97,8 +103,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path,
                         default=Path.home() / ".cache/riptide/models/smollm2-135m")  # fmt: skip
-    parser.add_argument("--variants", default="unfused,fused")
-    parser.add_argument("--variant", choices=["unfused", "fused"])
+    parser.add_argument("--variants", default="unfused,fused,fused-adaptive-malloc")
+    parser.add_argument("--variant", choices=["unfused", "fused", "fused-adaptive-malloc"])
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=1200)
     parser.add_argument("--micro-tokens", type=int, default=4096)

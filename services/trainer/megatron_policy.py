@@ -164,6 +164,10 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
         import torch
 
         torch.set_num_threads(config.cpu_threads)
+    if config.host_mmap_threshold_mb is not None:
+        from services.trainer.host_malloc import fix_mmap_threshold
+
+        fix_mmap_threshold(int(config.host_mmap_threshold_mb * 2**20))
     model, shape, layout, backend = build_model(config, ranks)
     opt = config.optimizer
     state_dir = opt.stream_optimizer_state_to_disk
