@@ -49,9 +49,16 @@ class _StreamStreamToken(_WithToken, grpc.aio.StreamStreamClientInterceptor):
 _TOKEN_INTERCEPTORS = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)
 
 
+#: Longest wait between two attempts to reach a peer that is away. gRPC's own backoff grows
+#: to 120 s: after a peer's restart of a few minutes (an engine fleet loading a large model)
+#: its callers would keep failing fast for up to two minutes more, as if it were still down.
+MAX_RECONNECT_BACKOFF_MS = 2000
+
+
 def _options(max_message_mb: int) -> list[tuple[str, int]]:
     size = max_message_mb * _MB
-    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
 
 
 def aio_channel(address: str, token: str | None = None,
