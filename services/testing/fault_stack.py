@@ -129,7 +129,21 @@ class FaultStack:
                 raise AssertionError(f"riptide up exited ({self.up.returncode}) waiting for "
                                      f"{what}:\n{self.log_text()[-4000:]}")
             time.sleep(0.25)
-        raise AssertionError(f"no {what} within {timeout_s:.0f}s:\n{self.log_text()[-4000:]}")
+        raise AssertionError(f"no {what} within {timeout_s:.0f}s:\n{self.log_text()[-4000:]}"
+                             f"\n{self.diagnosis()}")
+
+    def diagnosis(self) -> str:
+        """What each service says now and the last lines of its own log: what a timeout
+        needs to be understood from a CI log alone (the run directory is gone there)."""
+        parts = []
+        for name in SERVICES:
+            state = json.dumps(self.state(name), default=str)[:3000]
+            log_path = self.run_dir / "logs" / f"{name}.log"
+            lines = (log_path.read_text(errors="replace").splitlines()[-25:]
+                     if log_path.exists() else [])
+            parts.append(f"--- {name} (pid {self.pid(name)}) state: {state}\n"
+                         f"--- {name} log tail:\n" + "\n".join(lines))
+        return "\n".join(parts)
 
     # -- looking at it -----------------------------------------------------------------
     def state(self, name: str) -> dict[str, Any]:
