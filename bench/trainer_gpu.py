@@ -30,6 +30,7 @@ The last line printed is the JSON summary.
 
     python bench/trainer_gpu.py [--shapes 0.5b,1.5b] [--cases row2048,row8192,row32768,packed,mixed]
         [--steps 3] [--fused-output auto|on|off] [--compile on|off|on,off]
+        [--checks on|compile|off] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -138,6 +139,63 @@ def _timed_steps(step: Any, steps: int) -> tuple[list[float], float]:
     return times, torch.cuda.max_memory_allocated() / 2**30
 
 
+KERNEL_KINDS = (("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas")),
+                ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+                ("optimizer", ("adam", "multi_tensor", "foreach")),
+                ("compiled", ("triton_",)))
+
+
+def _kernel_kind(name: str) -> str:
+    lower = name.lower()
+    for kind, marks in KERNEL_KINDS:
+        if any(mark in lower for mark in marks):
+            return kind
+    return "other"
+
+
+def profile_step(step: Any, path: Path) -> dict[str, Any]:
+    """One `step` under torch.profiler: the GPU's busy time (union of kernel, copy and memset
+    intervals) against the span from first to last, the kernel count, time by kind of
+    kernel; the 40 costliest kernels go to `path` (JSON), the host's costliest operations
+    (self time) beside it (`.txt`)."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
+                                      max_name_column_width=70)  # fmt: skip
+    path.with_suffix(".txt").write_text(table)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    busy, end = 0.0, float("-inf")
+    by_name: dict[str, list[float]] = {}
+    by_kind: dict[str, float] = {}
+    for start, stop, name in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += stop - start
+        kind = _kernel_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + stop - start
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:40]
+    path.write_text(json.dumps([{"name": n[:160], "calls": c, "ms": round(t / 1e3, 3)}
+                                for n, (c, t) in top], indent=1))  # fmt: skip
+    return {"gpu_busy_ms": round(busy / 1e3, 1),
+            "span_ms": round((spans[-1][1] - spans[0][0]) / 1e3, 1) if spans else 0.0,
+            "kernels": len(spans),
+            "ms_by_kind": {k: round(v / 1e3, 1) for k, v in sorted(by_kind.items())}}  # fmt: skip
+
+
 def _case_result(shape: str, case: str, times: list[float], peak: float) -> dict[str, Any]:
     lengths, recompute = sequences(case)
     median = statistics.median(times)
@@ -175,7 +233,7 @@ def _micro_batch(seqs: list[Any], packed: bool) -> Any:
 
 
 def run_trainer(shape: str, cases: list[str], steps: int, fused_output: str = "auto",
-                compile_mode: str = "on") -> dict[str, Any]:  # fmt: skip
+                compile_mode: str = "on", profile_dir: str = "") -> dict[str, Any]:  # fmt: skip
     import functools
 
     import torch
@@ -214,9 +272,14 @@ def run_trainer(shape: str, cases: list[str], steps: int, fused_output: str = "a
         micro = [_micro_batch([seqs[i] for i in g], packed) for g in groups]
         batch = RolloutBatch(micro, [], [], [])
         try:
-            times, peak = _timed_steps(lambda b=batch: train_step(policy, b, LossSettings()),
-                                       steps)  # fmt: skip
+            def step(b: RolloutBatch = batch) -> None:
+                train_step(policy, b, LossSettings())
+
+            times, peak = _timed_steps(step, steps)
             out[case] = _case_result(shape, case, times, peak) | {"micro_batches": len(micro)}
+            if profile_dir:
+                name = f"trainer_{compile_mode}_{shape}_{case}.json"
+                out[case]["profile"] = profile_step(step, Path(profile_dir) / name)
         except torch.OutOfMemoryError as err:
             out[case] = {"error": f"out of memory: {str(err)[:120]}"}
         except Exception as err:  # noqa: BLE001 - reported in the JSON; the other cases still run
@@ -225,7 +288,7 @@ def run_trainer(shape: str, cases: list[str], steps: int, fused_output: str = "a
     return out
 
 
-def run_hf(shape: str, cases: list[str], steps: int) -> dict[str, Any]:
+def run_hf(shape: str, cases: list[str], steps: int, profile_dir: str = "") -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -265,6 +328,9 @@ def run_hf(shape: str, cases: list[str], steps: int) -> dict[str, Any]:
         try:
             times, peak = _timed_steps(step, steps)
             out[case] = _case_result(shape, case, times, peak) | {"micro_batches": len(micro)}
+            if profile_dir:
+                name = f"hf_{shape}_{case}.json"
+                out[case]["profile"] = profile_step(step, Path(profile_dir) / name)
         except torch.OutOfMemoryError as err:
             out[case] = {"error": f"out of memory: {str(err)[:120]}"}
         except Exception as err:  # noqa: BLE001 - reported in the JSON; the other cases still run
@@ -426,9 +492,10 @@ def child(args: argparse.Namespace) -> None:
         return
     cases = args.cases.split(",")
     if args.child.startswith("trainer"):
-        out = run_trainer(args.shape, cases, args.steps, args.fused_output, args.compile)
+        out = run_trainer(args.shape, cases, args.steps, args.fused_output, args.compile,
+                          args.profile)  # fmt: skip
     else:
-        out = run_hf(args.shape, cases, args.steps)
+        out = run_hf(args.shape, cases, args.steps, args.profile)
     print(json.dumps(out), flush=True)
 
 
@@ -442,6 +509,12 @@ def main() -> None:
                         help="[trainer.model] compile_layers for the trainer: on or off; both "
                         "(on,off) run as sides trainer and trainer_off")
     parser.add_argument("--shape", default="0.5b")
+    parser.add_argument("--profile", default="",
+                        help="a folder: profile one more step of each case and side there "
+                        "(GPU busy time, span, time by kernel kind in the JSON; top kernels "
+                        "in a file each)")
+    parser.add_argument("--checks", choices=["on", "compile", "off"], default="on",
+                        help="compile: only compile_check; off: time the cases only")
     parser.add_argument("--fused-output", choices=["auto", "on", "off"], default="auto",
                         help="[trainer.model] fused_output_logprobs (auto: off on a GPU)")
     args = parser.parse_args()
@@ -454,12 +527,15 @@ def main() -> None:
                                "fused_output_logprobs": args.fused_output,
                                "mfu_formula": "(6*N_mm*tokens + 6*L*heads*head_dim*sum(S^2))"
                                f" / step_s / {PEAK_FLOPS:.0f}", "shapes": {}}  # fmt: skip
-    results["optimizer_check"] = optimizer_check()
-    results["logprob_kernel_check"] = logprob_kernel_check()
-    results["fused_output_check"] = fused_output_check()
-    results["rope_kernel_check"] = rope_kernel_check()
+    if args.checks == "on":
+        results["optimizer_check"] = optimizer_check()
+        results["logprob_kernel_check"] = logprob_kernel_check()
+        results["fused_output_check"] = fused_output_check()
+        results["rope_kernel_check"] = rope_kernel_check()
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    if "on" in args.compile.split(","):
+    if args.checks != "off" and "on" in args.compile.split(","):
         proc = subprocess.run([sys.executable, __file__, "--child", "compile_check"],
                               capture_output=True, text=True, env=env)  # fmt: skip
         lines = proc.stdout.strip().splitlines()
@@ -474,6 +550,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", side, "--shape", shape,
                    "--cases", args.cases, "--steps", str(args.steps)]  # fmt: skip
             cmd += ["--fused-output", args.fused_output, "--compile", mode]
+            cmd += ["--profile", args.profile] if args.profile else []
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = proc.stdout.strip().splitlines()
             if proc.returncode or not lines:

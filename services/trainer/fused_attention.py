@@ -167,6 +167,22 @@ def shared_prefix_causal(
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+@torch.compiler.disable
+def thd_causal(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float
+) -> Tensor:
+    """A packed row's attention, with or without shared prefixes. Compiled layers
+    (layer_compile.py) call it as it is: traced, its loop over the row's sequences split the
+    layer into a small graph per sequence, built again for every new layout, whose calls left
+    a mixed-length step waiting on the host (0.74 s compiled against 0.55 s eager, Qwen2-0.5B
+    on an H200)."""
+    prefix_of = shared_prefix.layout_of(cu_seqlens)
+    if prefix_of is not None:
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        return shared_prefix_causal(query, key, value, bounds, prefix_of, scale)
+    return packed_causal(query, key, value, cu_seqlens, max_seqlen, scale)
+
+
 class FusedAttention(CausalCoreAttention):
     """Causal core attention on fused kernels, for right-padded or packed (THD) rows.
 
@@ -193,14 +209,8 @@ class FusedAttention(CausalCoreAttention):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ConfigError(f"packed rows must be THD, not {packed_seq_params.qkv_format}")
-            cu = packed_seq_params.cu_seqlens_q
-            prefix_of = shared_prefix.layout_of(cu)
-            if prefix_of is not None:
-                out = shared_prefix_causal(query, key, value, [int(b) for b in cu.tolist()],
-                                           prefix_of, self.softmax_scale)  # fmt: skip
-            else:
-                out = packed_causal(query, key, value, cu, int(packed_seq_params.max_seqlen_q),
-                                    self.softmax_scale)  # fmt: skip
+            out = thd_causal(query, key, value, packed_seq_params.cu_seqlens_q,
+                             int(packed_seq_params.max_seqlen_q), self.softmax_scale)  # fmt: skip
             return out.reshape(out.size(0), -1)
         sq, batch, heads, _ = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, h]

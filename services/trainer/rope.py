@@ -61,8 +61,25 @@ def _needs_gather(freqs: Tensor, cu_seqlens: Tensor) -> bool:
 def _tables(freqs: Tensor, dtype: torch.dtype, mscale: float,
             cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """megatron's `(cos(freqs) * mscale).to(dtype)` and the same of sin, of the rows of
-    `freqs` the tokens use (for packed rows: each token's position in its sequence), kept
-    while `freqs` lives unchanged: every layer of a forward gets the same rotary tensor."""
+    `freqs` the tokens use (for packed rows: each token's position in its sequence). Inside a
+    compiled layer (layer_compile.py) a padded row's tables are part of its graph, where they
+    fuse into the rotation; otherwise they are computed once per rotary tensor."""
+    if cu_seqlens is None and torch.compiler.is_compiling():
+        return _cos_sin(freqs, dtype, mscale)
+    return _kept_tables(freqs, dtype, mscale, cu_seqlens)
+
+
+def _cos_sin(rows: Tensor, dtype: torch.dtype, mscale: float) -> tuple[Tensor, Tensor]:
+    return (torch.cos(rows) * mscale).to(dtype), (torch.sin(rows) * mscale).to(dtype)
+
+
+@torch.compiler.disable
+def _kept_tables(freqs: Tensor, dtype: torch.dtype, mscale: float,
+                 cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """`_tables`, kept while `freqs` lives unchanged: every layer of a forward gets the same
+    rotary tensor. Compiled layers call it as it is: traced, the cache's bookkeeping became
+    guards that failed as it filled, and the layers were compiled again until dynamo gave up
+    (then ran them eagerly)."""
     bounds = None if cu_seqlens is None else tuple(int(b) for b in cu_seqlens.tolist())
     key = (id(freqs), dtype, mscale, bounds, shared_prefix.layout_of(cu_seqlens))
     kept = _tables_cache.get(key)
@@ -71,8 +88,7 @@ def _tables(freqs: Tensor, dtype: torch.dtype, mscale: float,
     rows = freqs
     if cu_seqlens is not None and _needs_gather(freqs, cu_seqlens):
         rows = freqs.index_select(0, thd_positions(cu_seqlens, freqs.device))
-    cos = (torch.cos(rows) * mscale).to(dtype)
-    sin = (torch.sin(rows) * mscale).to(dtype)
+    cos, sin = _cos_sin(rows, dtype, mscale)
     if len(_tables_cache) >= _TABLES_KEPT:
         _tables_cache.clear()
     _tables_cache[key] = (weakref.ref(freqs), freqs._version, cos, sin)

@@ -83,3 +83,33 @@ def test_compiled_layers_score_like_eager_ones(one_rank: None) -> None:
         worst = max(float((compiled[name][1][n] - g).abs().max() / g.abs().max())
                     for n, g in eager[name][1].items())  # fmt: skip
         assert worst < 1e-4, (name, worst)  # fp32 rounding of reordered sums
+
+
+@pytest.mark.slow
+def test_layers_compile_whole_and_once_per_packed_shape(one_rank: None) -> None:
+    """What dynamo builds for the layers (a backend that counts its graphs): a padded row's
+    layer is one graph, not split at megatron's row-parallel linears (whose tp_group lookup
+    warned) nor at the RoPE tables; packed rows of new layouts with the same longest sequence
+    build nothing new, because the packed attention and the tables' cache run outside the
+    graphs (traced, their Python split a layer per sequence and became guards that failed
+    for each new layout until dynamo gave up)."""
+    torch._dynamo.reset()
+    hf = random_hf_model("qwen2", num_layers=2, num_heads=4, num_kv_heads=2)
+    model = build_gpt_model(ModelShape.from_hf(hf.config), dtype="float32", attention="fused")
+    graphs: list[Any] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    compile_layers(model, backend=counting)
+    ids = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        token_logprobs(model, ids).sum().backward()
+    assert len(graphs) == 1
+    built = []
+    for cu in ([0, 18, 30], [0, 18, 24, 30], [0, 18, 20, 25, 28, 30], [0, 12, 30]):
+        token_logprobs(model, ids[:1], cu_seqlens=cu).sum().backward()
+        built.append(len(graphs))
+    assert built[1] == built[2] == built[3], built
+    torch._dynamo.reset()
