@@ -131,7 +131,8 @@ def test_packed_logprobs_and_grads_equal_padded() -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert got[0] == 0 and got[5] == 0 and got[16] == 0
     for p, packed in zip(model.parameters(), packed_grads, strict=True):
-        torch.testing.assert_close(packed, p.grad, atol=1e-5, rtol=1e-4)
+        # fp32 rounding of other summation orders, at the gradient's scale (about 10 here)
+        assert float((packed - p.grad).abs().max()) <= 1e-4 * float(p.grad.abs().max())
 
 
 def test_logprobs_carry_gradients() -> None:
