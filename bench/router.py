@@ -41,6 +41,7 @@ import asyncio
 import heapq
 import json
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -384,6 +385,50 @@ def start_engines(trace: Trace, specs: list[SessionSpec], args: argparse.Namespa
 
 
 def run_trace(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
+    """Every policy on `trace`, `--repeats` times (seeds --seed, --seed + 1, ...); with
+    repeats, each policy's figures are the means, `runs` holds each repeat's, and the target
+    compares the default with perfect stickiness repeat by repeat."""
+    if args.repeats == 1:
+        return _run_trace_once(trace, args)
+    runs = [_run_trace_once(trace, argparse.Namespace(**{**vars(args), "seed": args.seed + r}))
+            for r in range(args.repeats)]  # fmt: skip
+    results: dict[str, Any] = {}
+    for policy in args.policies:
+        per_run = [run[policy] for run in runs]
+        results[policy] = {key: round(statistics.fmean(r[key] for r in per_run), 4)
+                           for key in ("hit_rate", "imbalance", "switch_rate",
+                                       "overhead_ms_p50", "overhead_ms_p99")}  # fmt: skip
+        results[policy]["runs"] = [[r["hit_rate"], r["imbalance"]] for r in per_run]
+    if "target" in runs[0]:
+        results["target"] = repeated_target([run["sticky_min_load"] for run in runs],
+                                            [run["perfect"] for run in runs])  # fmt: skip
+    print(f"{trace.name} over {args.repeats} repeats: {results}", flush=True)
+    return results
+
+
+def repeated_target(default: list[dict[str, Any]], perfect: list[dict[str, Any]]
+                    ) -> dict[str, Any]:  # fmt: skip
+    """The target over paired repeats: the default's mean hit rate over perfect's, and the
+    mean difference in imbalance (default - perfect) with a 95% interval (t distribution).
+    Met when the hit ratio is at least 0.98 and the imbalance is not shown higher (the
+    interval reaches 0 or below); `imbalance_lower` says whether it is shown lower."""
+    ratio = statistics.fmean(d["hit_rate"] for d in default) / max(
+        statistics.fmean(p["hit_rate"] for p in perfect), 1e-9)
+    diffs = [d["imbalance"] - p["imbalance"] for d, p in zip(default, perfect, strict=True)]
+    mean = statistics.fmean(diffs)
+    half = T95[len(diffs) - 1] * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return {"hit_vs_perfect": round(ratio, 4), "imbalance_vs_perfect": round(mean, 4),
+            "imbalance_vs_perfect_ci95": [round(mean - half, 4), round(mean + half, 4)],
+            "imbalance_lower": mean + half < 0,
+            "met": ratio >= 0.98 and mean - half <= 0}  # fmt: skip
+
+
+#: two-sided 95% quantiles of Student's t by degrees of freedom (1..10)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+       9: 2.262, 10: 2.228}
+
+
+def _run_trace_once(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
     specs = workload(trace, args)
     engines = start_engines(trace, specs, args)
     try:
@@ -514,6 +559,9 @@ def main() -> None:
     p.add_argument("--prefill-s-per-token", type=float, default=0.00002)
     p.add_argument("--overhead-calls", type=int, default=400, help="0 skips the overhead bench")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, choices=range(1, 12),
+                   help="runs of each trace (seeds --seed, --seed + 1, ...): means, and the "
+                   "target over paired repeats with a 95%% interval")
     args = p.parse_args()
     if "sglang_router" in args.policies and not sglang_router_installed():
         print("sglang-router is not installed (pip install sglang-router==0.3.2): "
