@@ -31,7 +31,13 @@ through sglang-router, interleaved in the same run (target: the router's p50 ove
 sglang-router's; reported for the HTTP front, sglang-router's like, and for gRPC). The last
 line printed is the JSON summary.
 
+With `--repeats N` each trace runs N times (seeds --seed, --seed + 1, ...): each policy's
+figures are the means, and the target is judged over the paired repeats (the mean
+imbalance difference with a 95% interval; met when the hit ratio is at least 0.98 and the
+interval reaches 0 or below).
+
     python bench/router.py [--traces base eject] [--policies perfect sticky_min_load]
+        [--repeats 4] [--overhead-calls 0]
 """
 
 from __future__ import annotations
