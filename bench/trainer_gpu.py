@@ -157,19 +157,25 @@ def profile_step(step: Any, path: Path) -> dict[str, Any]:
     """One `step` under torch.profiler: the GPU's busy time (union of kernel, copy and memset
     intervals) against the span from first to last, the kernel count, time by kind of
     kernel; the 40 costliest kernels go to `path` (JSON), the host's costliest operations
-    (self time) beside it (`.txt`)."""
+    (self time) beside it (`.txt`), the operations costliest on the GPU by input shapes too
+    (`.shapes.txt`: which layer's matmul is which)."""
     import tempfile
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
                                       max_name_column_width=70)  # fmt: skip
     path.with_suffix(".txt").write_text(table)
+    shapes = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_device_time_total", row_limit=60, max_name_column_width=40,
+        max_shapes_column_width=110)
+    path.with_suffix(".shapes.txt").write_text(shapes)
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))

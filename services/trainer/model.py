@@ -272,6 +272,12 @@ def build_gpt_model(
         from services.trainer.sequence_parallel import use_tp_norms
 
         spec = use_tp_norms(spec, config)
+    if attention != "te":
+        from services.trainer import swiglu
+
+        spec = swiglu.with_swiglu(spec)  # a one-pass backward (dense MLPs; MoE keeps its own)
+        if swiglu.uses_swiglu(spec):
+            swiglu.use_swiglu(config)
     if shape.is_moe:
         _allow_moe_without_te()
     model = stage_model(

@@ -106,9 +106,10 @@ _compiled: Any = None
 
 def _rotate_fused(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """`_rotate`, on CUDA as one compiled kernel each way (shapes dynamic: one compile serves
-    every sequence length)."""
+    every sequence length); inside a compiled layer it is part of the layer's graph (tracing
+    the lazy compile made a guard on it that cost each layer a recompile)."""
     global _compiled
-    if not t.is_cuda:
+    if not t.is_cuda or torch.compiler.is_compiling():
         return _rotate(t, cos, sin)
     if _compiled is None:
         _compiled = torch.compile(_rotate, dynamic=True, fullgraph=True)

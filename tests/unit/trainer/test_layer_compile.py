@@ -113,3 +113,45 @@ def test_layers_compile_whole_and_once_per_packed_shape(one_rank: None) -> None:
         built.append(len(graphs))
     assert built[1] == built[2] == built[3], built
     torch._dynamo.reset()
+
+
+def _recompute(model: Any, on: bool) -> None:
+    config = model.config  # megatron reads these at each forward, as the trainer sets them
+    config.recompute_granularity = "full" if on else None
+    config.recompute_method = "uniform" if on else None
+    config.recompute_num_layers = 1 if on else None
+
+
+@pytest.mark.slow
+def test_layers_stay_compiled_through_every_kind_of_input(one_rank: None) -> None:
+    """Padded rows of two shapes, recompute, packed rows of two layouts, no-grad forwards (the
+    old policy's) of both: each kind needs its own compiled version of the layer, more than
+    dynamo's default allows, after which it would run the layer eagerly for good
+    (fail_on_recompile_limit_hit makes that an error here)."""
+    torch._dynamo.reset()
+    hf = random_hf_model("qwen2", num_layers=2, num_heads=4, num_kv_heads=2)
+    model = build_gpt_model(ModelShape.from_hf(hf.config), dtype="float32", attention="fused")
+    compile_layers(model, backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+
+    def step(rows: int, length: int, cu: list[int] | None = None, grad: bool = True) -> None:
+        ids = torch.randint(0, 96, (rows, length), generator=gen)
+        with torch.set_grad_enabled(grad):
+            lp = token_logprobs(model, ids, cu_seqlens=cu)
+            if grad:
+                lp.sum().backward()
+
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            step(4, 16)
+            step(2, 32)
+            _recompute(model, True)
+            step(1, 64)
+            _recompute(model, False)
+            step(1, 64, [0, 16, 32, 48, 64])
+            step(1, 40, [0, 10, 22, 40])
+            step(1, 40, [0, 10, 22, 40], grad=False)
+            step(2, 32, grad=False)
+    finally:
+        _recompute(model, False)
+        torch._dynamo.reset()
