@@ -89,7 +89,8 @@ class RunConfig(StrictModel):
     engine_api_key: str | None = Field(
         None, min_length=8, description="bearer key of every engine's HTTP API (SGLang's "
         "--api-key): the fleet starts its engines with it and the rollout, router and trainer "
-        "send it; `riptide up` generates one")
+        "send it; the router's HTTP front wants it of its clients, as sglang-router's --api-key;"
+        " `riptide up` generates one")
     admin_max_body_kb: int = Field(
         1024, ge=1, le=1 << 20, description="largest admin REST request body (413 above)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")

@@ -7,6 +7,9 @@ DP-attention engine). The session (routing) key comes from the `X-SMG-Routing-Ke
 streamed call answers SSE `data: ...` lines exactly as the engine sends them. `/health`,
 `/get_server_info`, `/get_model_info` and `/v1/models` answer from a routable engine.
 `POST /end_session {"session_key": ...}` is the HTTP twin of the gRPC EndSession.
+With `run.engine_api_key` set, every route but `/health*` wants `Authorization: Bearer
+<key>`, as sglang-router's `--api-key` (the same key it sends its workers) and SGLang itself
+do, else 401 `{"error": "Unauthorized"}`: the front spends the engines that key guards.
 
 Served by the lean HTTP/1.1 server (http1_server.py) on the router's own event loop;
 started and stopped by RouterRuntime.
@@ -14,6 +17,7 @@ started and stopped by RouterRuntime.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -59,8 +63,10 @@ def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-def build_front(runtime: RouterRuntime) -> Handler:
-    """The front's request handler: SGLang's routes, by method and path."""
+def build_front(runtime: RouterRuntime, api_key: str | None = None) -> Handler:
+    """The front's request handler: SGLang's routes, by method and path (behind `api_key`
+    where one is given)."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def generate(request: Request) -> Reply:
         try:
@@ -112,6 +118,9 @@ def build_front(runtime: RouterRuntime) -> Handler:
     }
 
     async def handle(request: Request) -> Reply:
+        if expected is not None and not request.path.startswith("/health") and not \
+                hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+            return _json({"error": "Unauthorized"}, 401)
         route = routes.get(request.path)
         if route is None:
             return _json({"detail": "Not Found"}, 404)
@@ -148,8 +157,10 @@ async def _from_engine(runtime: RouterRuntime, path: str) -> dict[str, Any]:
 class HttpFront:
     """The front's server, on the router's event loop."""
 
-    def __init__(self, runtime: RouterRuntime, host: str, port: int) -> None:
-        self.server = Http1Server(build_front(runtime), host, port, idle_timeout_s=600.0)
+    def __init__(self, runtime: RouterRuntime, host: str, port: int,
+                 api_key: str | None = None) -> None:
+        self.server = Http1Server(build_front(runtime, api_key), host, port,
+                                  idle_timeout_s=600.0)  # fmt: skip
         self.port = port
 
     async def start(self) -> None:

@@ -53,6 +53,7 @@ class RouterRuntime(ServiceRuntime):
         self._started = False
         self._background: list[asyncio.Task[None]] = []
         self.front: Any = None
+        self.engine_api_key = engine_api_key
 
     def add_to_grpc(self, server: grpc.aio.Server) -> None:
         from services._proto.riptide.v1 import router_pb2_grpc
@@ -71,7 +72,8 @@ class RouterRuntime(ServiceRuntime):
         if self.config.http_port is not None:
             from services.router.http_front import HttpFront
 
-            self.front = HttpFront(self, self.config.listen_host, self.config.http_port)
+            self.front = HttpFront(self, self.config.listen_host, self.config.http_port,
+                                   api_key=self.engine_api_key)  # fmt: skip
             await self.front.start()
         self._started = True
 

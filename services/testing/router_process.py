@@ -35,7 +35,7 @@ class RouterProcess:
     """
 
     def __init__(self, start_timeout_s: float = 30.0, http_front: bool = False,
-                 grpc_token: str | None = None,
+                 grpc_token: str | None = None, engine_api_key: str | None = None,
                  **settings: Any) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="riptide-router-"))
         grpc_port, admin_port, http_port = free_ports(3)
@@ -47,6 +47,8 @@ class RouterProcess:
                  'log_level = "warning"']
         if grpc_token:
             lines.append(f'grpc_token = "{grpc_token}"')
+        if engine_api_key:
+            lines.append(f'engine_api_key = "{engine_api_key}"')
         lines.append("[router]")
         self.grpc_token = grpc_token
         # JSON scalars and lists of strings are valid TOML values.

@@ -104,3 +104,20 @@ def test_info_routes_and_precise_errors(router: RouterProcess) -> None:
     assert rejected.status_code == 400 and "input_ids" in rejected.json()["message"]
     ended = httpx.post(f"{base}/end_session", json={"session_key": "header-x-session-id"})
     assert ended.json() == {"known": True}
+
+
+def test_front_wants_the_api_key_where_one_is_set(engines: list[SimEngineProcess]) -> None:
+    key = "front-key-1234"
+    with RouterProcess(engine_urls=[e.url for e in engines], http_front=True,
+                       engine_api_key=key) as keyed:
+        base = keyed.http_url
+        body = {"input_ids": ids(20), "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.get(f"{base}/health").status_code == 200  # probes need no secret
+        for headers in ({}, {"Authorization": "Bearer wrong-key-99"}, {"Authorization": key}):
+            refused = httpx.post(f"{base}/generate", json=body, headers=headers, timeout=30)
+            assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
+            assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
+        auth = {"Authorization": f"Bearer {key}"}
+        served = httpx.post(f"{base}/generate", json=body, headers=auth, timeout=30)
+        assert served.status_code == 200, served.text
+        assert httpx.get(f"{base}/v1/models", headers=auth).json()["data"][0]["id"] == "sim"
