@@ -9,7 +9,8 @@ an H200: 15,527 kernels and copies with megatron's per-layer tables, 12,071 with
 - the tables `cos`/`sin` (in the activations' dtype, times `mscale`) are computed once per
   rotary tensor megatron passes to the layers (one per forward, `_tables`), for packed rows
   after one gather of each token's position in its own sequence (`thd_positions`; a
-  continuation of a shared prefix goes on from the prefix's positions);
+  continuation of a shared prefix goes on from the prefix's positions); inside a compiled
+  layer a padded row's tables are part of the layer's graph instead, fused into the rotation;
 - the rotation `t * cos + rotate_half(t) * sin` is one function, compiled on CUDA by
   torch.compile into one kernel forward and one backward (`_rotate_fused`), eager elsewhere,
   where it is megatron's arithmetic operation for operation (the same tensor: tests in
