@@ -227,6 +227,7 @@ class EngineFleet:
         return any(m.state == "awaiting_weights" for m in self.members)
 
     async def _poll(self, member: EngineMember) -> None:
+        asked_while_starting = member.state == "starting"
         try:
             member.load = [rank.view() for rank in await self.client.load(member.url)]
         except Unavailable:
@@ -234,7 +235,8 @@ class EngineFleet:
             if member.proc is None and member.state in ("ready", "awaiting_weights"):
                 # an attached engine we cannot restart: it may come back without our weights
                 member.state, member.in_group = "unreachable", False
-            elif member.proc is not None and member.state != "starting":
+            elif member.proc is not None and member.state != "starting" \
+                    and not asked_while_starting:  # no answer owed before it was up
                 # Counted during updates too: a hung engine would otherwise hold every update
                 # (and the lock) until its step timeout, again and again. The built-in engine
                 # answers health checks while it loads weights.
@@ -274,11 +276,23 @@ class EngineFleet:
             member.state, member.error = "awaiting_weights", str(exc)
 
     # -- for the weight-update coordinator ---------------------------------------------
-    def up_members(self) -> list[EngineMember]:
-        """Engines that can take part in a weight update now (one that missed its last health
-        check may be hung: it sits out, so the update does not wait on it)."""
-        return [m for m in self.members
-                if m.state in ("ready", "awaiting_weights") and m.missed_checks == 0]
+    async def update_members(self) -> list[EngineMember]:
+        """Engines that can take part in a weight update now. One that missed its last health
+        check is asked once more: a busy host can delay one answer past its timeout, and an
+        engine left out keeps the old weights until the next update. One that still does not
+        answer may be hung: it sits out, so the update does not wait on it."""
+        candidates = [m for m in self.members if m.state in ("ready", "awaiting_weights")]
+        doubtful = [m for m in candidates if m.missed_checks]
+        answers = await asyncio.gather(*(self.client.load(m.url) for m in doubtful),
+                                       return_exceptions=True)
+        for member, answer in zip(doubtful, answers, strict=True):
+            if isinstance(answer, BaseException):
+                log.warning("engine %s sits out this weight update: it answered none of its "
+                            "last %d health checks (%s)", member.url, member.missed_checks,
+                            answer)
+            else:
+                member.missed_checks = 0
+        return [m for m in candidates if m.missed_checks == 0]
 
     async def on_committed(self, version: int, synced: list[EngineMember]) -> None:
         """Engines in `synced` hold `version` now; register the ones waiting for it."""

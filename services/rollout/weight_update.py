@@ -105,7 +105,7 @@ class WeightUpdateCoordinator:
                       record: dict[str, Any]) -> AsyncIterator[pb.WeightUpdateEvent]:
         version = begin.weight_version
         client = self.fleet.client
-        members = self.fleet.up_members()
+        members = await self.fleet.update_members()
         if not members:
             raise Unavailable(f"weight update v{version}: no engine is up")
         record["engines"] = [m.url for m in members]

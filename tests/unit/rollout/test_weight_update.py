@@ -225,6 +225,24 @@ def test_an_engine_missing_health_checks_is_not_registered_again() -> None:
     asyncio.run(main())
 
 
+def test_an_engine_that_missed_one_check_is_asked_again_before_it_sits_out() -> None:
+    """One health answer late on a busy host must not cost an engine its weight update; an
+    engine that still does not answer sits out, and the update does not wait on it."""
+    async def main() -> None:
+        coordinator, engines, router, _ = await _setup()
+        late, hung = coordinator.fleet.members[0], coordinator.fleet.members[2]
+        late.missed_checks = hung.missed_checks = 1
+        engines.down.add(hung.url)
+        engines.parties = 2
+        events = await _events(coordinator, _stream(1, 1))
+        assert events[0] == ("group", (4, True))  # 1 + 2 (e0) + 1 (e1) ranks, without e2
+        assert late.missed_checks == 0 and late.weight_version == 1
+        assert hung.missed_checks == 1 and not hung.in_group
+        assert sorted(u for u, _ in engines.steps("update")) == [URLS[0], URLS[1]]
+
+    asyncio.run(main())
+
+
 def test_restarted_engine_triggers_a_new_group_and_is_registered_after_commit() -> None:
     async def main() -> None:
         coordinator, engines, router, _ = await _setup()
