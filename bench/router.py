@@ -28,8 +28,9 @@ calls that went to another engine than its previous call; overhead = client late
 the engine's own e2e latency (p50, p99 ms). Then the overhead bench: fixed small calls at
 concurrency 1 and 8, direct to an engine vs through the router's HTTP front and gRPC and
 through sglang-router, interleaved in the same run (target: the router's p50 overhead at most
-sglang-router's; reported for the HTTP front, sglang-router's like, and for gRPC). The last
-line printed is the JSON summary.
+sglang-router's; reported for the HTTP front, sglang-router's like, and for gRPC), with the
+round trip of an RPC that calls no engine (`EndSession`) as grpcio's own floor. The last line
+printed is the JSON summary.
 
 With `--repeats N` each trace runs N times (seeds --seed, --seed + 1, ...): each policy's
 figures are the means, and the target is judged over the paired repeats (the mean
@@ -497,11 +498,17 @@ async def _overhead_round(engine: SimEngineProcess, router: RouterProcess,
                 session_key=key, input_ids=ids,
                 sampling_params=common_pb2.SamplingParams(max_new_tokens=1)), timeout=30)
 
+        async def grpc_round_trip(key: str, ids: list[int]) -> None:
+            # An RPC that calls no engine: what grpcio's own round trip costs, in this run.
+            request = router_pb2.EndSessionRequest(session_key=f"rt-{key}")  # no such session
+            await stub.EndSession(request, timeout=30)
+
         async def sglang_router(key: str, ids: list[int]) -> None:
             assert reference is not None
             await post(reference.url, key, ids)
 
-        paths = {"direct": direct, "http_front": front, "grpc": grpc_call}
+        paths = {"direct": direct, "http_front": front, "grpc": grpc_call,
+                 "grpc_round_trip": grpc_round_trip}
         if reference is not None:
             paths["sglang_router"] = sglang_router
         for send in paths.values():  # warm connections
@@ -514,7 +521,8 @@ async def _overhead_round(engine: SimEngineProcess, router: RouterProcess,
     direct_p50, direct_p99 = percentile(samples["direct"], 0.5), percentile(samples["direct"], 0.99)
     out: dict[str, Any] = {"direct_ms_p50": round(direct_p50, 3),
                            "direct_ms_p99": round(direct_p99, 3)}
-    for name in [p for p in paths if p != "direct"]:
+    out["grpc_round_trip_ms_p50"] = round(percentile(samples.pop("grpc_round_trip"), 0.5), 3)
+    for name in [p for p in samples if p != "direct"]:
         out[f"{name}_overhead_ms_p50"] = round(percentile(samples[name], 0.5) - direct_p50, 3)
         out[f"{name}_overhead_ms_p99"] = round(percentile(samples[name], 0.99) - direct_p99, 3)
     return out

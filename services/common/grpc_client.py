@@ -11,42 +11,53 @@ from services.common.grpc_server import TOKEN_METADATA_KEY
 _MB = 1024 * 1024
 
 
-class _WithToken:
-    """Adds the bearer token to a call's metadata."""
+class _WithMetadata:
+    """A multicallable that adds `pair` to each call's metadata."""
 
-    def __init__(self, token: str) -> None:
-        self._pair = (TOKEN_METADATA_KEY, f"Bearer {token}")
+    def __init__(self, call: Any, pair: tuple[str, str]) -> None:
+        self._call, self._pair = call, pair
 
-    def _with_token(self, details: Any) -> Any:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
-        return details._replace(metadata=metadata)
-
-
-# One class per call kind: grpc.aio files each interceptor under the first kind it is an
-# instance of, so one class of all four kinds would reach unary-unary calls only.
-class _UnaryUnaryToken(_WithToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
+    def __call__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
+        return self._call(*args, metadata=(*(metadata or ()), self._pair), **kwargs)
 
 
-class _UnaryStreamToken(_WithToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
+class _TokenChannel(grpc.aio.Channel):
+    """An asyncio channel whose every call carries the bearer token, as call metadata: a
+    grpc.aio client interceptor would wrap each call in an intercepted call and a task."""
 
+    def __init__(self, channel: grpc.aio.Channel, token: str) -> None:
+        self._channel, self._pair = channel, (TOKEN_METADATA_KEY, f"Bearer {token}")
 
-class _StreamUnaryToken(_WithToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: Any,
-                                     request_iterator: Any) -> Any:
-        return await continuation(self._with_token(details), request_iterator)
+    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithMetadata(self._channel.unary_unary(*args, **kwargs), self._pair)
 
+    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithMetadata(self._channel.unary_stream(*args, **kwargs), self._pair)
 
-class _StreamStreamToken(_WithToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: Any,
-                                      request_iterator: Any) -> Any:
-        return await continuation(self._with_token(details), request_iterator)
+    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithMetadata(self._channel.stream_unary(*args, **kwargs), self._pair)
 
+    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithMetadata(self._channel.stream_stream(*args, **kwargs), self._pair)
 
-_TOKEN_INTERCEPTORS = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)
+    async def __aenter__(self) -> _TokenChannel:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self._channel.close(None)
+
+    async def close(self, grace: float | None = None) -> None:
+        await self._channel.close(grace)
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self._channel.get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity
+                                    ) -> None:
+        await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self._channel.channel_ready()
 
 
 #: Longest wait between two attempts to reach a peer that is away. gRPC's own backoff grows
@@ -64,9 +75,8 @@ def _options(max_message_mb: int) -> list[tuple[str, int]]:
 def aio_channel(address: str, token: str | None = None,
                 max_message_mb: int = 256) -> grpc.aio.Channel:
     """An asyncio channel to `address` (host:port) that sends `token` when one is set."""
-    interceptors = [kind(token) for kind in _TOKEN_INTERCEPTORS] if token else None
-    return grpc.aio.insecure_channel(address, options=_options(max_message_mb),
-                                     interceptors=interceptors)
+    channel = grpc.aio.insecure_channel(address, options=_options(max_message_mb))
+    return _TokenChannel(channel, token) if token else channel
 
 
 def sync_channel(address: str, token: str | None = None,

@@ -1,6 +1,6 @@
 """Decoding and checking every gRPC request before a handler sees it.
 
-The shared ErrorInterceptor (grpc_server.py) installs these: a request that is not a valid
+The shared handler guard (grpc_server.guarded) installs these: a request that is not a valid
 protobuf of its method's type, or that carries a NaN or infinite number, is answered with
 INVALID_ARGUMENT instead of reaching the servicer (grpc's own decoder would say INTERNAL).
 """

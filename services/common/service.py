@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 from fastapi import APIRouter
 from pydantic import BaseModel
 
 from services.common.errors import ConfigError, Conflict, quote
+from services.common.grpc_server import GuardedRegistrar
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class ServiceRuntime:
             "details": self.state(),
         }
 
-    def add_to_grpc(self, server: grpc.aio.Server) -> None:
+    def add_to_grpc(self, server: GuardedRegistrar) -> None:
         """Register this service's gRPC servicers."""
 
     async def start(self) -> None:

@@ -27,6 +27,7 @@ from services.common.engine_client import EngineClient
 from services.common.errors import ConfigError, Unavailable
 from services.common.events import EventPublisher
 from services.common.grpc_client import aio_channel
+from services.common.grpc_server import GuardedRegistrar
 from services.common.service import ServiceRuntime
 from services.rollout import metrics
 from services.rollout.config import RolloutConfig
@@ -79,7 +80,7 @@ class RolloutRuntime(ServiceRuntime):
         self._stores: set[asyncio.Task[None]] = set()
         self._dashboard_source: Any = None
 
-    def add_to_grpc(self, server: grpc.aio.Server) -> None:
+    def add_to_grpc(self, server: GuardedRegistrar) -> None:
         from services._proto.riptide.v1 import rollout_pb2_grpc
         from services.rollout.server import RolloutServicer
 

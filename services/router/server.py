@@ -13,11 +13,11 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 from fastapi import APIRouter
 
 from services.common.engine_client import EngineClient
 from services.common.errors import Unavailable
+from services.common.grpc_server import GuardedRegistrar
 from services.common.service import ServiceRuntime
 from services.router import metrics
 from services.router.config import TUNABLE_FIELDS, RouterConfig
@@ -55,7 +55,7 @@ class RouterRuntime(ServiceRuntime):
         self.front: Any = None
         self.engine_api_key = engine_api_key
 
-    def add_to_grpc(self, server: grpc.aio.Server) -> None:
+    def add_to_grpc(self, server: GuardedRegistrar) -> None:
         from services._proto.riptide.v1 import router_pb2_grpc
         from services.router.servicer import RouterServicer
 

@@ -1,6 +1,6 @@
 """The Router gRPC servicer: protobuf in, SGLang /generate body out, and back.
 
-Errors are RiptideError subclasses; the shared gRPC interceptor maps them to status codes.
+Errors are RiptideError subclasses; the shared gRPC handler guard maps them to status codes.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2, sandbox_pb2_grpc
 from services.common.errors import Conflict, NotFound, Unavailable, quote
 from services.common.grpc_requests import require
+from services.common.grpc_server import GuardedRegistrar
 from services.common.sampling_params import sampling_params
 from services.common.service import ServiceRuntime, status_message
 from services.sandbox.config import SandboxConfig
@@ -76,7 +77,7 @@ class SandboxService(ServiceRuntime):
         self.scripts = scripts if scripts is not None else {}
         self.script_maker = script_maker
 
-    def add_to_grpc(self, server: grpc.aio.Server) -> None:
+    def add_to_grpc(self, server: GuardedRegistrar) -> None:
         sandbox_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(self), server)
 
     async def start(self) -> None:
@@ -190,7 +191,7 @@ class SandboxService(ServiceRuntime):
 
 
 class SandboxServicer(sandbox_pb2_grpc.SandboxServicer):
-    """The Sandbox gRPC API; errors become statuses in the shared interceptor."""
+    """The Sandbox gRPC API; errors become statuses in the shared handler guard."""
 
     def __init__(self, service: SandboxService) -> None:
         self.service = service

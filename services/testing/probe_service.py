@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 from pydantic import Field
 
@@ -36,6 +35,7 @@ from services._proto.riptide.v1 import (
 from services.common import process
 from services.common.config import StrictModel
 from services.common.errors import InvalidRequest
+from services.common.grpc_server import GuardedRegistrar
 from services.common.logging import setup_logging
 from services.common.ports import free_ports
 from services.common.serve import serve
@@ -61,7 +61,7 @@ class ProbeRuntime(ServiceRuntime):
         self.changes: list[str] = []
         self.calls: list[str] = []
 
-    def add_to_grpc(self, server: grpc.aio.Server) -> None:
+    def add_to_grpc(self, server: GuardedRegistrar) -> None:
         trainer_pb2_grpc.add_TrainerServicer_to_server(_Status(self), server)
         sandbox_pb2_grpc.add_SandboxServicer_to_server(_Failing(), server)
         router_pb2_grpc.add_RouterServicer_to_server(_RecordingRouter(self.calls), server)

@@ -26,6 +26,7 @@ import grpc
 from services.common.config import EventsConfig, RedisConfig
 from services.common.errors import ConfigError
 from services.common.events import EventPublisher
+from services.common.grpc_server import GuardedRegistrar
 from services.common.service import ServiceRuntime, status_message
 from services.trainer.config import TrainerConfig
 from services.trainer.eval_follower import EvalFollower
@@ -60,7 +61,7 @@ class TrainerRuntime(ServiceRuntime):
         self._channel: Any = None
         self._weight_sync: Any = None
 
-    def add_to_grpc(self, server: grpc.aio.Server) -> None:
+    def add_to_grpc(self, server: GuardedRegistrar) -> None:
         from services._proto.riptide.v1 import common_pb2, trainer_pb2_grpc
 
         runtime = self
