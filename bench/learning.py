@@ -18,7 +18,7 @@ packed rows; `--no-shared-prefix` for whole rows), recomputes each layer's activ
 backward (`--recompute`) and checkpoints every 5 steps. Tasks are drawn by the chance that their
 next group has reward variance (`--task-sampling informative`).
 
-Usage: python bench/learning.py [--steps 40] [--budget-min 30] [--warm-start-steps 12]
+Usage: python bench/learning.py [--steps 40] [--budget-min 30] [--warm-start-steps 0]
 Last line: {"per_step_reward": [...], "heldout_initial": x, "heldout_final": y,
             "eval_by_weight_version": {...}, "warm_start": {...} | null, "wall_s": ...}
 """
@@ -186,8 +186,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="engine and trainer compute dtype (auto: bfloat16 where the CPU "
                         "has bf16 kernels, else float32)")
-    parser.add_argument("--warm-start-steps", type=int, default=12,
-                        help="riptide sft steps (4 trajectories each) before RL; 0: RL only")
+    parser.add_argument("--warm-start-steps", type=int, default=0,
+                        help="riptide sft steps (4 trajectories each) before RL; 0 (the "
+                        "default): RL from the raw model")
     parser.add_argument("--warm-start-lr", type=float, default=3e-5)
     args = parser.parse_args()
     args.dtype = _resolve_dtype(args.dtype)
