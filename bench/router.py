@@ -27,10 +27,14 @@ in-flight calls per engine over the steady window; switch_rate = share of a sess
 calls that went to another engine than its previous call; overhead = client latency minus
 the engine's own e2e latency (p50, p99 ms). Then the overhead bench: fixed small calls at
 concurrency 1 and 8, direct to an engine vs through the router's HTTP front and gRPC and
-through sglang-router, interleaved in the same run (target: the router's p50 overhead at most
-sglang-router's; reported for the HTTP front, sglang-router's like, and for gRPC), with the
-round trip of an RPC that calls no engine (`EndSession`) as grpcio's own floor. The last line
-printed is the JSON summary.
+through sglang-router, interleaved over `--overhead-rounds` rounds in the same run, with the
+round trip of an RPC that calls no engine (`EndSession`) as grpcio's own floor. Per path: the
+overhead over the direct call (p50, p99 ms) and the proxy process's own CPU per call (all its
+threads, from /proc); per round, the path's p50 minus sglang-router's, whose mean and 95%
+interval judge the target (the router's overhead at most sglang-router's: `at_most` when the
+interval reaches 0 or below, `lower` when it lies below 0; for the HTTP front, sglang-router's
+like, and for gRPC). `--router-event-loop` picks the router's loop (uvloop, its default, or
+asyncio). The last line printed is the JSON summary.
 
 With `--repeats N` each trace runs N times (seeds --seed, --seed + 1, ...): each policy's
 figures are the means, and the target is judged over the paired repeats (the mean
@@ -47,6 +51,7 @@ import argparse
 import asyncio
 import heapq
 import json
+import os
 import random
 import statistics
 import sys
@@ -473,7 +478,7 @@ async def _calls(send: Any, concurrency: int, num_calls: int) -> list[float]:
 
 async def _overhead_round(engine: SimEngineProcess, router: RouterProcess,
                           reference: SglangRouterProcess | None, concurrency: int,
-                          num_calls: int) -> dict[str, Any]:
+                          num_calls: int, rounds: int) -> dict[str, Any]:
     params = {"max_new_tokens": 1, "temperature": 0.0}
     # aiohttp for every HTTP path: httpx's own cost at 8 in flight would swamp the figures.
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http, \
@@ -509,15 +514,22 @@ async def _overhead_round(engine: SimEngineProcess, router: RouterProcess,
 
         paths = {"direct": direct, "http_front": front, "grpc": grpc_call,
                  "grpc_round_trip": grpc_round_trip}
+        proxies = {"http_front": router.proc.pid, "grpc": router.proc.pid}
         if reference is not None:
             paths["sglang_router"] = sglang_router
+            proxies["sglang_router"] = reference.proc.pid
         for send in paths.values():  # warm connections
             await _calls(send, concurrency, concurrency * 4)
         # Interleaved rounds, so a neighbour's load on this shared machine hits every path.
-        samples: dict[str, list[float]] = {name: [] for name in paths}
-        for _ in range(5):
+        per_round: dict[str, list[list[float]]] = {name: [] for name in paths}
+        cpu_s = dict.fromkeys(proxies, 0.0)
+        for _ in range(rounds):
             for name, send in paths.items():
-                samples[name] += await _calls(send, concurrency, num_calls // 5)
+                before = process_cpu_s(proxies[name]) if name in proxies else 0.0
+                per_round[name].append(await _calls(send, concurrency, num_calls // rounds))
+                if name in proxies:
+                    cpu_s[name] += process_cpu_s(proxies[name]) - before
+    samples = {name: [x for r in runs for x in r] for name, runs in per_round.items()}
     direct_p50, direct_p99 = percentile(samples["direct"], 0.5), percentile(samples["direct"], 0.99)
     out: dict[str, Any] = {"direct_ms_p50": round(direct_p50, 3),
                            "direct_ms_p99": round(direct_p99, 3)}
@@ -525,27 +537,48 @@ async def _overhead_round(engine: SimEngineProcess, router: RouterProcess,
     for name in [p for p in samples if p != "direct"]:
         out[f"{name}_overhead_ms_p50"] = round(percentile(samples[name], 0.5) - direct_p50, 3)
         out[f"{name}_overhead_ms_p99"] = round(percentile(samples[name], 0.99) - direct_p99, 3)
+    for name, seconds in cpu_s.items():  # the proxy's own CPU (all its threads) per call
+        out[f"{name}_cpu_us_per_call"] = round(seconds / sum(map(len, per_round[name])) * 1e6, 1)
+    if reference is not None:
+        for name in ("http_front", "grpc"):
+            out[f"{name}_vs_sglang_router"] = paired_difference(per_round[name],
+                                                                per_round["sglang_router"])
     return out
+
+
+def process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds a process has used so far, all its threads together."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def paired_difference(mine: list[list[float]], theirs: list[list[float]]) -> dict[str, Any]:
+    """Round by round, p50 latency of `mine` minus `theirs` (ms; the same engine and client,
+    so the difference is the difference in overhead): the mean, its 95% interval (Student's
+    t), `at_most` when the interval reaches 0 or below (not shown higher) and `lower` when it
+    lies below 0."""
+    diffs = [percentile(m, 0.5) - percentile(t, 0.5) for m, t in zip(mine, theirs, strict=True)]
+    mean = statistics.fmean(diffs)
+    half = T95[len(diffs) - 1] * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return {"mean_ms": round(mean, 4), "ci95_ms": [round(mean - half, 4), round(mean + half, 4)],
+            "rounds_lower": sum(d < 0 for d in diffs), "rounds": len(diffs),
+            "at_most": mean - half <= 0, "lower": mean + half < 0}
 
 
 def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
     engine = SimEngineProcess(decode_s_per_token=0.0, prefill_s_per_token=0.0)
     reference = SglangRouterProcess([engine.url]) if sglang_router_installed() else None
     try:
-        with RouterProcess(engine_urls=[engine.url], http_front=True) as router:
-            result: dict[str, Any] = {f"concurrency_{c}": asyncio.run(
-                _overhead_round(engine, router, reference, c, args.overhead_calls))
-                for c in (1, 8)}
+        with RouterProcess(engine_urls=[engine.url], http_front=True,
+                           event_loop=args.router_event_loop) as router:
+            result: dict[str, Any] = {f"concurrency_{c}": asyncio.run(_overhead_round(
+                engine, router, reference, c, args.overhead_calls, args.overhead_rounds))
+                for c in (1, 8)}  # fmt: skip
     finally:
         if reference is not None:
             reference.stop()
         engine.stop()
-    for c in (1, 8):
-        row = result[f"concurrency_{c}"]
-        if "sglang_router_overhead_ms_p50" in row:  # the target: p50 at most sglang-router's
-            for path in ("http_front", "grpc"):
-                row[f"{path}_at_most_sglang_router"] = (
-                    row[f"{path}_overhead_ms_p50"] <= row["sglang_router_overhead_ms_p50"])
+    result["router_event_loop"] = args.router_event_loop
     return result
 
 
@@ -572,11 +605,19 @@ def main() -> None:
     p.add_argument("--decode-s-per-token", type=float, default=0.002)
     p.add_argument("--prefill-s-per-token", type=float, default=0.00002)
     p.add_argument("--overhead-calls", type=int, default=400, help="0 skips the overhead bench")
+    p.add_argument("--overhead-rounds", type=int, default=10, choices=range(2, 12),
+                   metavar="2..11", help="interleaved rounds of the overhead bench, each "
+                   "path's calls split evenly among them (the paired comparison's samples)")
+    p.add_argument("--router-event-loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="the router's [router] event_loop in the overhead bench")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, choices=range(1, 12),
                    help="runs of each trace (seeds --seed, --seed + 1, ...): means, and the "
                    "target over paired repeats with a 95%% interval")
     args = p.parse_args()
+    if 0 < args.overhead_calls < 8 * args.overhead_rounds:
+        p.error(f"--overhead-calls: at least 8 x --overhead-rounds ({8 * args.overhead_rounds}), "
+                "so every round has a call per worker at concurrency 8")
     if "sglang_router" in args.policies and not sglang_router_installed():
         print("sglang-router is not installed (pip install sglang-router==0.3.2): "
               "its rows and overhead are skipped", flush=True)

@@ -178,6 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
 
             serve_launched_rank(config.trainer, me)
             return 0
+    from services.common.event_loop import run as run_on_loop
     from services.common.serve import serve
 
     server = importlib.import_module(f"services.{args.service}.server")
@@ -187,7 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
         runtime = server.build_runtime(config)
         return await serve(runtime, getattr(config, args.service), config.run)
 
-    return asyncio.run(main())
+    return run_on_loop(main(), getattr(config, args.service).event_loop)
 
 
 def _up(args: argparse.Namespace) -> int:

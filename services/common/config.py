@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.common.errors import ConfigError, quote
+from services.common.event_loop import EventLoopName
 
 
 class StrictModel(BaseModel):
@@ -29,6 +30,9 @@ class ServiceConfig(StrictModel):
     bind_host: str | None = Field(None, description="interface to listen on (default: host)")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0 picks a free one)")
     admin_port: int = Field(0, ge=0, le=65535, description="admin REST port (0: a free one)")
+    event_loop: EventLoopName = Field(
+        "asyncio", description="the service's event loop: asyncio, or uvloop (less CPU per "
+        "socket event)")
 
     @property
     def listen_host(self) -> str:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
+from services.common.event_loop import EventLoopName
 
 PolicyName = Literal["sticky_min_load", "manual", "consistent_hash", "min_load", "round_robin"]
 
@@ -19,6 +20,9 @@ class RouterConfig(ServiceConfig):
     http_port: int | None = Field(
         None, ge=0, le=65535, description="port of the SGLang-compatible HTTP front (POST "
         "/generate, /health, /v1/models ...); 0 picks a free one; unset: no HTTP front")
+    event_loop: EventLoopName = Field(
+        "uvloop", description="uvloop (default): less CPU per call on the hot path than "
+        "asyncio's loop (bench/router.py's overhead bench); asyncio: the standard library's")
     engine_urls: list[str] = Field(
         default_factory=list, description="engines to register at start (rollout adds more)")
 

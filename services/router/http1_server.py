@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import cast
 
 import httptools
 import orjson
@@ -75,8 +76,7 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
         self.server.connections.add(self)
         self._arm_idle_timer()
 

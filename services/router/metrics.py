@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
 from services.common import metrics
 from services.router.targets import Target
 
@@ -33,8 +37,35 @@ def labels(target: Target) -> tuple[str, str]:
     return target.engine.url, str(target.dp_rank)
 
 
+@dataclass(frozen=True)
+class Series:
+    """A target's series that every call touches, looked up once (a `labels()` lookup costs
+    about as much as the rest of the update)."""
+
+    in_flight: Any
+    served: Any
+    prompt_tokens: Any
+    cached_tokens: Any
+    call_latency: Any
+
+
+_SERIES: weakref.WeakKeyDictionary[Target, Series] = weakref.WeakKeyDictionary()
+
+
+def series(target: Target) -> Series:
+    found = _SERIES.get(target)
+    if found is None:
+        names = labels(target)
+        found = _SERIES[target] = Series(
+            IN_FLIGHT.labels(*names), REQUESTS.labels(*names, "ok"),
+            PROMPT_TOKENS.labels(*names), CACHED_TOKENS.labels(*names),
+            CALL_LATENCY.labels(*names))
+    return found
+
+
 def forget(target: Target) -> None:
     """Drop a removed target's per-target series."""
+    _SERIES.pop(target, None)
     for metric in (IN_FLIGHT, ROUTABLE):
         try:
             metric.remove(*labels(target))

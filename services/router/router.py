@@ -164,7 +164,7 @@ class Router:
         if target.engine.dp_aware:
             body = {**body, "routed_dp_rank": target.dp_rank}
         target.in_flight += 1
-        metrics.IN_FLIGHT.labels(*metrics.labels(target)).inc()
+        metrics.series(target).in_flight.inc()
         ok = False
         try:
             reply = await send(target.engine.url, body)
@@ -185,7 +185,7 @@ class Router:
 
     def _release(self, target: Target) -> None:
         target.in_flight -= 1
-        metrics.IN_FLIGHT.labels(*metrics.labels(target)).dec()
+        metrics.series(target).in_flight.dec()
 
     def end_session(self, session_key: str) -> bool:
         """The session is over: it stops counting as live on its target."""
@@ -204,7 +204,6 @@ class Router:
             self.health.observe_health(target.engine, False)
 
     def _served(self, session_key: str, target: Target, reply: dict[str, Any]) -> None:
-        labels = metrics.labels(target)
         meta = reply.get("meta_info") or {}
         prompt, cached = int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
         target.record_call(True, self.config.circuit_open_after_failures,
@@ -218,10 +217,11 @@ class Router:
         if session_key:
             self.policy.on_served(session_key, target,
                                   prompt + int(meta.get("completion_tokens") or 0))
-        metrics.REQUESTS.labels(*labels, "ok").inc()
-        metrics.PROMPT_TOKENS.labels(*labels).inc(prompt)
-        metrics.CACHED_TOKENS.labels(*labels).inc(cached)
-        metrics.CALL_LATENCY.labels(*labels).observe(latency)
+        series = metrics.series(target)
+        series.served.inc()
+        series.prompt_tokens.inc(prompt)
+        series.cached_tokens.inc(cached)
+        series.call_latency.observe(latency)
         version = meta.get("weight_version")
         if version is not None:
             self.health.observe_version(target.engine, str(version))

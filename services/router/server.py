@@ -137,6 +137,7 @@ class RouterRuntime(ServiceRuntime):
 
     def state(self) -> dict[str, Any]:
         state = self.router.state()
+        state["event_loop"] = type(asyncio.get_running_loop()).__module__.partition(".")[0]
         if self.front is not None:
             state["http_port"] = self.front.port
         return state

@@ -121,3 +121,27 @@ def test_front_wants_the_api_key_where_one_is_set(engines: list[SimEngineProcess
         served = httpx.post(f"{base}/generate", json=body, headers=auth, timeout=30)
         assert served.status_code == 200, served.text
         assert httpx.get(f"{base}/v1/models", headers=auth).json()["data"][0]["id"] == "sim"
+
+
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_front_serves_plain_and_streamed_calls_on_either_event_loop(
+        engines: list[SimEngineProcess], event_loop: str) -> None:
+    # uvloop's transports are no subclasses of asyncio's: the front and the engine client
+    # must not care (they refused every connection on uvloop when they checked the type).
+    with RouterProcess(engine_urls=[e.url for e in engines], http_front=True,
+                       event_loop=event_loop) as proc:
+        assert proc.admin.get("/admin/state").json()["details"]["event_loop"] == event_loop
+        body = {"input_ids": ids(40), "sampling_params": {"max_new_tokens": 3}}
+        plain = httpx.post(f"{proc.http_url}/generate", json=body, timeout=30)
+        assert plain.status_code == 200 and len(plain.json()["output_ids"]) == 3, plain.text
+        with httpx.stream("POST", f"{proc.http_url}/generate", json={**body, "stream": True},
+                          headers={"X-SMG-Routing-Key": "s"}, timeout=30) as streamed:
+            lines = [line for line in streamed.iter_lines() if line]
+        # The simulated engine answers a streamed call in one JSON body; the front relays it.
+        assert streamed.status_code == 200 and streamed.headers["content-type"].startswith(
+            "text/event-stream")
+        assert json.loads(lines[-1].removeprefix("data: "))["meta_info"]["completion_tokens"] == 3
+
+
+def test_router_defaults_to_uvloop(router: RouterProcess) -> None:
+    assert router.admin.get("/admin/state").json()["details"]["event_loop"] == "uvloop"
