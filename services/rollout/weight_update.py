@@ -124,10 +124,10 @@ class WeightUpdateCoordinator:
         if key == self._group_key and all(m.in_group for m in members):
             yield pb.WeightUpdateEvent(group=pb.WeightUpdateGroup(world_size=world_size))
         else:
-            joining = asyncio.create_task(self._form_group(begin, members, world_size))
             yield pb.WeightUpdateEvent(group=pb.WeightUpdateGroup(
                 world_size=world_size, trainer_must_join=True))
-            await joining
+            await self._trainer_joining(requests, version)
+            await self._form_group(begin, members, world_size)
             self._group_key = key
         async for request in requests:
             step = request.WhichOneof("step")
@@ -146,6 +146,21 @@ class WeightUpdateCoordinator:
         raise WeightUpdateFailed(
             f"weight update v{version}: the trainer ended the stream before Commit after "
             f"{record['buckets']} buckets")
+
+    @staticmethod
+    async def _trainer_joining(requests: AsyncIterator[pb.WeightUpdateRequest],
+                               version: int) -> None:
+        """Wait for the trainer's Joining: it has closed its earlier group's rendezvous store.
+        Re-formed groups keep their name and port, so an engine sent to rendezvous before
+        that could complete against the old store and wait in a group nobody broadcasts on."""
+        request = await anext(requests, None)
+        if request is None:
+            raise WeightUpdateFailed(f"weight update v{version}: the trainer ended the stream "
+                                     "before joining the group")
+        step = request.WhichOneof("step")
+        if step != "joining":
+            raise InvalidRequest(f"weight update v{version}: expected joining after the group "
+                                 f"answer said the trainer must join, got {step}")
 
     async def _resume_all(self, members: list[EngineMember], version: int,
                           outcome: str) -> None:

@@ -47,6 +47,8 @@ class WeightPusher:
             answered["world_size"] = group.world_size
             answered["must_join"] = group.trainer_must_join
             if group.trainer_must_join:
+                self.close()
+                requests.put(pb.WeightUpdateRequest(joining=pb.WeightUpdateJoining()))
                 self._join(group.world_size)
             names = list(tensors)
             for index in range(num_buckets):

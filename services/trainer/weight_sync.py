@@ -8,8 +8,9 @@ on rank 0 only, after it has finished the gathers the other ranks are in.
 
 Two ways to reach the engines:
 - `RolloutWeightSync` (production): the trainer drives the rollout service's
-  `Rollout.UpdateWeights` stream (Begin -> group -> Bucket... -> bucket_loaded -> Commit ->
-  committed) and the rollout service forwards each bucket's metadata to every engine.
+  `Rollout.UpdateWeights` stream (Begin -> group [-> Joining] -> Bucket... -> bucket_loaded
+  -> Commit -> committed) and the rollout service forwards each bucket's metadata to every
+  engine.
 - `DirectEngineWeightSync` (tests, one node without a rollout service): the trainer posts the
   engines' HTTP endpoints itself.
 """
@@ -261,6 +262,8 @@ class RolloutWeightSync(_SyncBase):
             backend=self.end.backend)))
         group = expect("group")
         if group.trainer_must_join:
+            self.end.leave()  # its rendezvous store closes before any engine looks there
+            requests.put(pb.WeightUpdateRequest(joining=pb.WeightUpdateJoining()))
             self.end.join(group.world_size, watch)
         elif self.end.group is None:
             raise Conflict("rollout says the weight-update group exists, but this trainer "

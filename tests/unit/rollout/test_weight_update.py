@@ -105,24 +105,48 @@ async def _setup() -> tuple[WeightUpdateCoordinator, FakeEngines, FakeRouter, li
     return coordinator, engines, router, committed
 
 
-def _stream(version: int, num_buckets: int, commit: bool = True
-            ) -> AsyncIterator[pb.WeightUpdateRequest]:
-    async def gen() -> AsyncIterator[pb.WeightUpdateRequest]:
+class _TrainerStream:
+    """The trainer's requests of one update: Begin, Joining when the group answer says it
+    must join (`_events` reads the answers to it, as a trainer does), Buckets, Commit."""
+
+    def __init__(self, version: int, num_buckets: int, commit: bool = True) -> None:
+        self.must_join: bool | None = None
+        self._requests = self._generate(version, num_buckets, commit)
+
+    def __aiter__(self) -> _TrainerStream:
+        return self
+
+    async def __anext__(self) -> pb.WeightUpdateRequest:
+        return await anext(self._requests)
+
+    async def _generate(self, version: int, num_buckets: int, commit: bool
+                        ) -> AsyncIterator[pb.WeightUpdateRequest]:
         yield pb.WeightUpdateRequest(begin=pb.WeightUpdateBegin(
             weight_version=version, master_address="127.0.0.1", master_port=29500,
             group_name="wu", backend="gloo"))
+        if self.must_join:
+            yield pb.WeightUpdateRequest(joining=pb.WeightUpdateJoining())
         for i in range(num_buckets):
             yield pb.WeightUpdateRequest(bucket=pb.WeightBucket(bucket_index=i, tensors=[
                 pb.TensorSpec(name=f"w{i}", dtype="bfloat16", shape=[2, 3])]))
         if commit:
             yield pb.WeightUpdateRequest(commit=pb.WeightUpdateCommit())
-    return gen()
+
+    def read(self, event: pb.WeightUpdateEvent) -> None:
+        if event.WhichOneof("event") == "group":
+            self.must_join = event.group.trainer_must_join
+
+
+def _stream(version: int, num_buckets: int, commit: bool = True) -> _TrainerStream:
+    return _TrainerStream(version, num_buckets, commit)
 
 
 async def _events(coordinator: WeightUpdateCoordinator, stream: AsyncIterator[Any]
                   ) -> list[tuple[str, Any]]:
     out = []
     async for event in coordinator.run(stream):
+        if isinstance(stream, _TrainerStream):
+            stream.read(event)
         kind = event.WhichOneof("event")
         value = getattr(event, kind)
         out.append((kind, (value.world_size, value.trainer_must_join) if kind == "group"
@@ -296,8 +320,10 @@ def test_unreachable_attached_engine_sits_out_and_rejoins_with_new_weights() -> 
 def test_trainer_leaving_right_after_commit_keeps_the_group() -> None:
     async def main() -> None:
         coordinator, _, _, _ = await _setup()
-        events = coordinator.run(_stream(1, 1))
+        stream = _stream(1, 1)
+        events = coordinator.run(stream)
         async for event in events:
+            stream.read(event)
             if event.WhichOneof("event") == "committed":
                 break
         await events.aclose()  # type: ignore[attr-defined]
@@ -391,5 +417,43 @@ def test_a_bad_bucket_after_loaded_ones_releases_the_engines_for_a_full_update()
         # Bucket 0 was loaded: weights may be mixed, so out of the router until a full update.
         assert not coordinator.engines_paused and coordinator.abandoned == 1
         assert router.registered == [] and coordinator.fleet.needs_weights
+
+    asyncio.run(main())
+
+
+def test_engines_rendezvous_only_after_the_trainer_says_joining() -> None:
+    # A re-formed group keeps its name and port: an engine sent to rendezvous while the
+    # trainer still held the old group completed against the old store and hung there.
+    async def main() -> None:
+        coordinator, engines, _, committed = await _setup()
+        joining = asyncio.Event()
+
+        async def trainer() -> AsyncIterator[pb.WeightUpdateRequest]:
+            yield _begin(weight_version=1)
+            await joining.wait()
+            yield pb.WeightUpdateRequest(joining=pb.WeightUpdateJoining())
+            yield _bucket(0)
+            yield pb.WeightUpdateRequest(commit=pb.WeightUpdateCommit())
+
+        events = coordinator.run(trainer())
+        assert (await anext(events)).group.trainer_must_join
+        pending = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0.05)
+        assert not engines.steps("init") and not pending.done()
+        joining.set()
+        assert (await pending).bucket_loaded == 0 and len(engines.steps("init")) == 3
+        assert (await anext(events)).committed == 1 and committed == [1]
+
+    asyncio.run(main())
+
+
+def test_a_trainer_that_skips_joining_is_refused_and_no_engine_rendezvous() -> None:
+    async def main() -> None:
+        coordinator, engines, router, committed = await _setup()
+        with pytest.raises(InvalidRequest, match="expected joining after the group answer"):
+            await _events(coordinator, _requests(_begin(weight_version=1), _bucket(0)))
+        assert not engines.steps("init") and not coordinator.engines_paused
+        assert committed == [] and len(engines.steps("continue")) == 3
+        assert (await _events(coordinator, _stream(1, 1)))[-1] == ("committed", 1)
 
     asyncio.run(main())

@@ -43,15 +43,21 @@ class WeightUpdateCommit(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class WeightUpdateJoining(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WeightUpdateRequest(_message.Message):
-    __slots__ = ("begin", "bucket", "commit")
+    __slots__ = ("begin", "bucket", "commit", "joining")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     begin: WeightUpdateBegin
     bucket: WeightBucket
     commit: WeightUpdateCommit
-    def __init__(self, begin: _Optional[_Union[WeightUpdateBegin, _Mapping]] = ..., bucket: _Optional[_Union[WeightBucket, _Mapping]] = ..., commit: _Optional[_Union[WeightUpdateCommit, _Mapping]] = ...) -> None: ...
+    joining: WeightUpdateJoining
+    def __init__(self, begin: _Optional[_Union[WeightUpdateBegin, _Mapping]] = ..., bucket: _Optional[_Union[WeightBucket, _Mapping]] = ..., commit: _Optional[_Union[WeightUpdateCommit, _Mapping]] = ..., joining: _Optional[_Union[WeightUpdateJoining, _Mapping]] = ...) -> None: ...
 
 class WeightUpdateGroup(_message.Message):
     __slots__ = ("world_size", "trainer_must_join")

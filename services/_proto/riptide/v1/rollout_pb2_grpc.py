@@ -53,8 +53,9 @@ class RolloutServicer:
     """
 
     def UpdateWeights(self, request_iterator, context):
-        """The trainer drives one weight update per stream: Begin, then one Bucket message per
-        bucket it is about to broadcast, then Commit. The rollout service answers each step.
+        """The trainer drives one weight update per stream: Begin, then (when the answer says it
+        must join the group) Joining, then one Bucket message per bucket it is about to
+        broadcast, then Commit. The rollout service answers each step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
