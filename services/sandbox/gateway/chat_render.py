@@ -25,6 +25,18 @@ _SENTINEL = "\x00RIPTIDE-REPLY-{}\x00"
 _CACHE_PIECES = 512
 
 
+def _compiled(template: str | None) -> Any:
+    """transformers' own compiled Jinja template (its sandbox, filters and globals), or None
+    where this transformers has no such helper: then apply_chat_template renders."""
+    if template is None:
+        return None
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return None
+    return _compile_jinja_template(template)
+
+
 def reply_fingerprint(content: str | None, tool_calls: list[dict[str, Any]] | None) -> str:
     """What identifies an assistant message: its text and its tool calls (name, arguments as
     canonical JSON where they parse)."""
@@ -66,6 +78,10 @@ class ChatRenderer:
         self.template = chat_template
         self.end_of_turn_ids = end_of_turn_ids
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._compiled = _compiled(chat_template)
+        self._special = {name: value for name, value in
+                         getattr(tokenizer, "special_tokens_map", {}).items()
+                         if isinstance(value, str)}
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` alone (no special tokens added), cached."""
@@ -108,6 +124,11 @@ class ChatRenderer:
         return RenderedPrompt(ids, ours)
 
     def _apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        if self._compiled is not None:
+            # What apply_chat_template renders, without its per-call copying of every message
+            # (three quarters of its 0.4 ms on an eight-turn chat).
+            return str(self._compiled.render(messages=messages, tools=tools or None,
+                                             add_generation_prompt=True, **self._special))
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
         if self.template is not None:
             kwargs["chat_template"] = self.template

@@ -22,6 +22,7 @@ import orjson
 from services._proto.riptide.v1 import common_pb2
 from services.common.errors import Conflict, InvalidRequest, RiptideError
 from services.common.http1_server import Http1Server, Reply, Request
+from services.sandbox.chat_format import CHATML_TEMPLATE
 from services.sandbox.gateway.chat_render import ChatRenderer
 from services.sandbox.gateway.openai_shapes import (
     chat_chunks,
@@ -52,7 +53,7 @@ class AgentGateway:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.template = getattr(tokenizer, "chat_template", None)
+        self.template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
         eos = getattr(tokenizer, "eos_token_id", None)
         self.end_of_turn_ids = {int(eos)} if eos is not None else set()
         self.parse_tools = template_has_tool_calls(self.template)
