@@ -98,7 +98,7 @@ class AgentGateway:
         session = self.sessions.get(episode_id)
         key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         if session is None or not key or not session.authorized(key):
-            self.stats.refused["invalid_api_key"] += 1
+            self.stats.refusal("invalid_api_key")
             return _error(401, "invalid API key for this episode (unknown or ended episode, "
                                "or a wrong key)", "authentication_error", "invalid_api_key")
         try:

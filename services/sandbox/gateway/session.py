@@ -19,11 +19,21 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from services._proto.riptide.v1 import common_pb2
+from services.common import metrics
 from services.common.errors import InvalidRequest, RiptideError, Unavailable
 from services.sandbox.gateway.chat_render import ChatRenderer, Reply, reply_fingerprint
 from services.sandbox.gateway.tool_calls import ParsedReply, parse_reply
 from services.sandbox.model_client import GenerateResult, ModelClient
 from services.sandbox.token_trace import SegmentedTrace
+
+CALLS = metrics.counter("riptide_gateway_calls_total", "model calls answered by the agent gateway")
+TOKENS = metrics.counter("riptide_gateway_tokens_total", "tokens of gateway calls: appended "
+                         "(new context of a call that extended the episode) or generated",
+                         ("kind",))
+SEGMENTS = metrics.counter("riptide_gateway_segments_opened_total",
+                           "segments opened after an episode's first, by cause", ("cause",))
+REFUSED = metrics.counter("riptide_gateway_refused_total", "gateway calls refused, by code",
+                          ("code",))
 
 HISTORY_REWRITTEN = "history_rewritten"
 TEMPLATE_MISMATCH = "template_mismatch"
@@ -69,6 +79,27 @@ class GatewayStats:
     segments_opened: Counter[str] = field(default_factory=Counter)
     template_mismatches: int = 0
     refused: Counter[str] = field(default_factory=Counter)
+
+    def call(self) -> None:
+        self.calls += 1
+        CALLS.inc()
+
+    def appended(self, count: int) -> None:
+        self.tokens_appended += count
+        TOKENS.labels("appended").inc(count)
+
+    def generated(self, count: int) -> None:
+        self.tokens_generated += count
+        TOKENS.labels("generated").inc(count)
+
+    def segment_opened(self, cause: str) -> None:
+        self.segments_opened[cause] += 1
+        self.template_mismatches += cause == TEMPLATE_MISMATCH
+        SEGMENTS.labels(cause).inc()
+
+    def refusal(self, code: str) -> None:
+        self.refused[code] += 1
+        REFUSED.labels(code).inc()
 
     def snapshot(self) -> dict[str, Any]:
         return {"calls": self.calls, "tokens_appended": self.tokens_appended,
@@ -142,7 +173,7 @@ class GatewaySession:
 
     def _refuse(self, limit: GatewayLimit) -> NoReturn:
         self.limit_hit = self.limit_hit or limit.finish_reason
-        self.stats.refused[limit.code] += 1
+        self.stats.refusal(limit.code)
         raise limit
 
     async def _call(self, ids: list[int], cause: str, request: dict[str, Any],
@@ -155,15 +186,14 @@ class GatewaySession:
                 "max_context_tokens)", 400, "context_length_exceeded", "context_length"))
         params = self._sampling(request, room)
         self.num_calls += 1
-        self.stats.calls += 1
+        self.stats.call()
         segment = self.trace.current
         known = segment.num_tokens if segment is not None else 0
         opened = self.trace.extend_or_open(ids, cause)
         if opened:
-            self.stats.segments_opened[opened] += 1
-            self.stats.template_mismatches += opened == TEMPLATE_MISMATCH
+            self.stats.segment_opened(opened)
         elif segment is self.trace.current:
-            self.stats.tokens_appended += len(ids) - known
+            self.stats.appended(len(ids) - known)
         started = time.monotonic()
         try:
             result = await asyncio.wait_for(
@@ -182,7 +212,7 @@ class GatewaySession:
             self.aborted = True
             raise Unavailable(f"the engine aborted this call of episode {self.episode_id}; "
                               "the episode will get no verdict")
-        self.stats.tokens_generated += len(result.output_ids)
+        self.stats.generated(len(result.output_ids))
         self.last = result
         self.prompt_tokens += result.prompt_tokens
         self.cached_tokens += result.cached_tokens
