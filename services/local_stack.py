@@ -61,7 +61,7 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
     `overrides` are merged at every depth (`{"trainer": {"model": {"hf_path": ...}}}` keeps
     the model's dtype); the trainer's sampling temperature follows the rollout's (deployment
     validation) unless an override sets it."""
-    ports = iter(free_ports(1 + 2 * len(SERVICE_ORDER)))
+    ports = iter(free_ports(2 + 2 * len(SERVICE_ORDER)))
     data: dict[str, Any] = {
         "run": {"name": "local", "admin_token": secrets.token_urlsafe(24),
                 "grpc_token": secrets.token_urlsafe(24),
@@ -70,6 +70,7 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
     }
     for name in SERVICE_ORDER:
         data[name] = {"host": "127.0.0.1", "grpc_port": next(ports), "admin_port": next(ports)}
+    data["router"]["http_port"] = next(ports)  # the agent gateway's way to the router
     for name, settings in _local_service_settings(run_dir).items():
         data[name].update(settings)
     data["trainer"]["weight_sync"]["rollout_address"] = (

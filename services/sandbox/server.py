@@ -25,6 +25,20 @@ def load_tokenizer(path: str | None) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def gateway_model_client(deployment_config: Any, model: Any) -> Any:
+    """How the gateway reaches the router: its SGLang-compatible HTTP front where one is served
+    on a known port (less per call than gRPC), else `model`, the service's Router.Generate
+    client (also what a scripted run uses)."""
+    router = deployment_config.router
+    if deployment_config.sandbox.model_client != "router" or not router.http_port:
+        return model
+    from services.sandbox.engine_model_client import EngineModelClient
+
+    return EngineModelClient(f"http://{router.host}:{router.http_port}",
+                             deployment_config.sandbox.generate_timeout_s,
+                             deployment_config.run.engine_api_key, routed=True)
+
+
 def build_runtime(deployment_config: Any) -> ServiceRuntime:
     """The sandbox ServiceRuntime for this deployment."""
     from services.common.events import EventPublisher
@@ -61,9 +75,11 @@ def build_runtime(deployment_config: Any) -> ServiceRuntime:
     if config.gateway_enabled:
         from services.sandbox.gateway.server import AgentGateway
 
-        gateway = AgentGateway(model, chat.tokenizer, config.gateway.model_name,
+        gateway_model = gateway_model_client(deployment_config, model)
+        gateway = AgentGateway(gateway_model, chat.tokenizer, config.gateway.model_name,
                                config.gateway.host, config.gateway.port,
-                               config.gateway.max_body_kb * 1024)
+                               config.gateway.max_body_kb * 1024,
+                               owns_model=gateway_model is not model)
     agent: EpisodeAgent = TerminalAgent(model, chat, provider, config.agent)
     if config.agent.harness != "builtin":
         from services.sandbox.harness import make_harness
