@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from services.common.bounds import check_prompt_tokens
 from services.common.errors import DeadlineExceeded, RiptideError, Unavailable
 from services.router import metrics
 from services.router.config import RouterConfig
@@ -105,14 +106,24 @@ class Router:
                  f"(want {version}) draining={t.draining}" for t in targets[:8]]
         return "; ".join(parts)
 
+    def check_prompt(self, body: dict[str, Any]) -> None:
+        """Refuse at once a prompt longer than any registered engine takes (an engine would
+        refuse it only after reading it whole, seconds later for a large one)."""
+        ids = body.get("input_ids")
+        if isinstance(ids, list) and ids:
+            longest = max(len(i) for i in ids) if isinstance(ids[0], list) else len(ids)
+            check_prompt_tokens(longest, self.registry.max_input_tokens())
+
     async def generate(self, session_key: str, body: dict[str, Any]) -> RoutedReply:
         """Route one SGLang /generate body and return the engine's answer."""
+        self.check_prompt(body)
         target, reply = await self._route(session_key, body, self.calls.generate)
         meta = reply.get("meta_info") or {}
         return RoutedReply(reply, target, float(meta.get("e2e_latency") or 0.0))
 
     async def stream(self, session_key: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
         """Route a streaming /generate body; yields the engine's SSE lines unchanged."""
+        self.check_prompt(body)
         target, response = await self._route(session_key, body, self.calls.stream,
                                              keep_in_flight=True)
         last, served = b"", False

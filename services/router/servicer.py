@@ -12,6 +12,7 @@ import grpc
 import orjson
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.bounds import MAX_SGLANG_FIELDS_BYTES, check_id
 from services.common.engine_contract import weight_version_spans
 from services.common.errors import InvalidRequest
 from services.common.grpc_requests import require
@@ -37,6 +38,8 @@ def sglang_fields(text: str) -> dict[str, Any]:
     """The pass-through fields of `sglang_fields_json` (a JSON object, or empty)."""
     if not text:
         return {}
+    require(len(text) <= MAX_SGLANG_FIELDS_BYTES,
+            f"sglang_fields_json: at most {MAX_SGLANG_FIELDS_BYTES} characters, got {len(text)}")
     fields = json_object(text, "sglang_fields_json")
     if "stream" in fields or "input_ids" in fields or "text" in fields:
         raise InvalidRequest("sglang_fields_json may not set stream, input_ids or text "
@@ -48,6 +51,8 @@ def sglang_fields(text: str) -> dict[str, Any]:
 
 
 def generate_body(request: router_pb2.GenerateRequest) -> dict[str, Any]:
+    check_id("session_key", request.session_key)
+    check_id("request_id", request.request_id)
     if not request.input_ids:
         raise InvalidRequest("input_ids is empty")
     require(min(request.input_ids) >= 0, "input_ids: token ids are never negative")
@@ -127,6 +132,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def EndSession(self, request: router_pb2.EndSessionRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> router_pb2.EndSessionResponse:
-        if not request.session_key:
-            raise InvalidRequest("session_key is empty")
+        check_id("session_key", request.session_key, required=True)
         return router_pb2.EndSessionResponse(known=self.runtime.end_session(request.session_key))

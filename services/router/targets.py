@@ -22,6 +22,7 @@ class Engine:
     leaving: bool = False
     weight_version: str | None = None
     max_running: int = 0  # per dp rank, from /get_server_info max_running_requests; 0 unknown
+    max_input_tokens: int | None = None  # longest prompt it takes (max_req_input_len); None unknown
     health_failures: int = 0
     health_successes: int = 0
     num_ejections: int = 0
