@@ -239,7 +239,8 @@ class Router:
 
     def state(self) -> dict[str, Any]:
         version, open_after = self.registry.weight_version, self.config.circuit_open_after_failures
-        targets = [t.view(version, open_after) for t in self.registry.targets()]
+        missing_after = self.config.unhealthy_after_failures
+        targets = [t.view(version, open_after, missing_after) for t in self.registry.targets()]
         prompt = sum(t.num_prompt_tokens for t in self.registry.targets())
         cached = sum(t.num_cached_tokens for t in self.registry.targets())
         return {
@@ -248,6 +249,9 @@ class Router:
             "num_routable": sum(1 for t in targets if t["routable"]),
             "spills": self.num_spills, "retries": self.num_retries,
             "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+            # engines routed by the router's own in-flight counts alone (min_load on nothing)
+            "no_load_signal": [e.url for e in self.registry.engines.values()
+                               if e.load_signal(missing_after) == "missing"],
             "targets": targets,
         }
 
