@@ -131,7 +131,9 @@ def test_spans_give_per_token_versions_to_router_and_trajectory() -> None:
     async def generate(session_key: str, body: dict[str, Any]) -> Any:
         return SimpleNamespace(body=reply, target=target, engine_latency_s=0.2)
 
-    servicer = RouterServicer(SimpleNamespace(generate=generate))  # type: ignore[arg-type]
+    runtime = SimpleNamespace(generate=generate,
+                              registry=SimpleNamespace(max_input_tokens=lambda: None))
+    servicer = RouterServicer(runtime)  # type: ignore[arg-type]
     request = router_pb2.GenerateRequest(session_key="s1", input_ids=[1, 2], return_logprob=True)
     routed = run(servicer.Generate(request, None))  # type: ignore[arg-type]
     assert list(routed.output_weight_versions) == [7, 7, 7, 8, 8] and routed.weight_version == 8
