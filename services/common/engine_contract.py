@@ -55,7 +55,11 @@ class EngineContract:
 
     def serving(self, route: RouteName, path: str) -> EngineContract:
         """This contract with `route` read from `path` (a per-route fallback)."""
-        return replace(self, **{route: path})
+        if route == "model_info_path":
+            return replace(self, model_info_path=path)
+        if route == "server_info_path":
+            return replace(self, server_info_path=path)
+        return replace(self, load_path=path)
 
 
 @dataclass(frozen=True)
