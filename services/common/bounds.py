@@ -13,8 +13,8 @@ from services.common.grpc_requests import require
 
 #: Characters of any id: a session key, sample, group, task or request id.
 MAX_ID_CHARS = 256
-#: Bytes of GenerateRequest.sglang_fields_json (SGLang /generate fields passed through).
-MAX_SGLANG_FIELDS_BYTES = 64 * 1024
+#: Characters of GenerateRequest.sglang_fields_json (SGLang /generate fields passed through).
+MAX_SGLANG_FIELDS_CHARS = 64 * 1024
 
 
 def check_id(name: str, value: str, required: bool = False) -> None:

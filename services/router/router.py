@@ -110,8 +110,8 @@ class Router:
         """Refuse at once a prompt longer than any registered engine takes (an engine would
         refuse it only after reading it whole, seconds later for a large one)."""
         ids = body.get("input_ids")
-        if isinstance(ids, list) and ids:
-            longest = max(len(i) for i in ids) if isinstance(ids[0], list) else len(ids)
+        if isinstance(ids, list) and ids:  # one prompt, or a batch of them (lists)
+            longest = max((len(i) for i in ids if isinstance(i, list)), default=len(ids))
             check_prompt_tokens(longest, self.registry.max_input_tokens())
 
     async def generate(self, session_key: str, body: dict[str, Any]) -> RoutedReply:

@@ -12,7 +12,7 @@ import grpc
 import orjson
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.bounds import MAX_SGLANG_FIELDS_BYTES, check_id, check_prompt_tokens
+from services.common.bounds import MAX_SGLANG_FIELDS_CHARS, check_id, check_prompt_tokens
 from services.common.engine_contract import weight_version_spans
 from services.common.errors import InvalidRequest
 from services.common.grpc_requests import require
@@ -38,8 +38,8 @@ def sglang_fields(text: str) -> dict[str, Any]:
     """The pass-through fields of `sglang_fields_json` (a JSON object, or empty)."""
     if not text:
         return {}
-    require(len(text) <= MAX_SGLANG_FIELDS_BYTES,
-            f"sglang_fields_json: at most {MAX_SGLANG_FIELDS_BYTES} characters, got {len(text)}")
+    require(len(text) <= MAX_SGLANG_FIELDS_CHARS,
+            f"sglang_fields_json: at most {MAX_SGLANG_FIELDS_CHARS} characters, got {len(text)}")
     fields = json_object(text, "sglang_fields_json")
     if "stream" in fields or "input_ids" in fields or "text" in fields:
         raise InvalidRequest("sglang_fields_json may not set stream, input_ids or text "
