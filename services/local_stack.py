@@ -310,6 +310,10 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
            summarize: Callable[[Any], str] | None = None) -> int:
     """The body of `riptide up`: start or resume, supervise until Ctrl-C / SIGTERM /
     `steps` more trainer steps / a child that keeps dying, then stop everything."""
+    # SIGINT too: Python installs its Ctrl-C handler only where SIGINT was not ignored at
+    # start, and a shell starts background jobs with it ignored (`riptide up &`).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     run_dir.mkdir(parents=True, exist_ok=True)
     if config_path is None:
         config_path = run_dir / "config.toml"
@@ -320,7 +324,6 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         raise ConfigError(f"{config_path}: no such config file")
     print(f"[up] config {config_path}  logs {run_dir / 'logs'}", flush=True)
     stack = LocalStack(run_dir, config_path, say=lambda m: print(m, flush=True))
-    signal.signal(signal.SIGTERM, _interrupt)
     if stack.scoring:
         return _run_score(stack)
     progress = None

@@ -112,6 +112,8 @@ class RolloutEvents:
                     "healthy": bool(target.get("healthy", member.state == "ready")),
                     "weight_version": member.weight_version,
                     "circuit": "open" if target.get("circuit_open") else "closed",
+                    # the router's word on the engine's load reads: ok, missing, pending
+                    "load_signal": target.get("load_signal"),
                 })  # fmt: skip
         self.publisher.publish("rollout.load", attrs={"in_flight": in_flight, "cap": cap,
                                                       "engines": engines})

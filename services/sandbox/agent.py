@@ -154,7 +154,9 @@ class TerminalAgent:
             return None
         params = common_pb2.SamplingParams()
         params.CopyFrom(sampling)
-        params.max_new_tokens = min(sampling.max_new_tokens or self.config.max_new_tokens, room)
+        asked = sampling.max_new_tokens if sampling.HasField("max_new_tokens") else \
+            self.config.max_new_tokens
+        params.max_new_tokens = min(asked, room)
         if self.chat.end_of_turn_id not in params.stop_token_ids:
             params.stop_token_ids.append(self.chat.end_of_turn_id)
         input_ids = run.trace.prompt_ids + run.trace.response_ids

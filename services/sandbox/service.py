@@ -16,7 +16,8 @@ import grpc
 from fastapi import APIRouter
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2, sandbox_pb2_grpc
-from services.common.errors import Conflict, NotFound, Unavailable, quote
+from services.common.bounds import check_id
+from services.common.errors import Conflict, NotFound, Unavailable
 from services.common.grpc_requests import require
 from services.common.grpc_server import GuardedRegistrar
 from services.common.sampling_params import sampling_params
@@ -37,21 +38,20 @@ log = logging.getLogger(__name__)
 _End = common_pb2.Trajectory | BaseException
 
 
-#: Ids are router session keys and log fields: short, printable.
-MAX_ID_CHARS = 256
-
-
-def check_episode_request(request: sandbox_pb2.RunEpisodeRequest) -> None:
+def check_episode_request(request: sandbox_pb2.RunEpisodeRequest,
+                          max_context_tokens: int) -> None:
     """Range checks of a RunEpisode request before any sandbox is made: ids that are set,
-    short and printable, and sampling parameters an engine accepts (InvalidRequest)."""
+    short and printable, sampling parameters an engine accepts, and no more new tokens per
+    turn than the agent's whole context holds (InvalidRequest)."""
     for name in ("task_id", "sample_id", "group_id"):
-        value = getattr(request, name)
-        require(len(value) <= MAX_ID_CHARS and value.isprintable(),
-                f"{name}: at most {MAX_ID_CHARS} printable characters, got "
-                f"{quote(value, 40)}")
+        check_id(name, getattr(request, name))
     require(bool(request.task_id), "task_id is empty: ListTasks lists the tasks")
     require(bool(request.sample_id), "RunEpisode needs a sample_id (the router session key)")
     sampling_params(request.sampling_params)  # the router would refuse it at the first turn
+    asked = request.sampling_params.max_new_tokens
+    require(asked <= max_context_tokens,
+            f"sampling_params.max_new_tokens: {asked} is more than the agent's context cap "
+            f"(sandbox.agent.max_context_tokens = {max_context_tokens})")
 
 
 class SandboxService(ServiceRuntime):
@@ -161,7 +161,7 @@ class SandboxService(ServiceRuntime):
         """Progress events as they happen, then the trajectory."""
         if self.paused:
             raise Unavailable("the sandbox service is paused; resume it or retry later")
-        check_episode_request(request)  # before any sandbox is made
+        check_episode_request(request, self.config.agent.max_context_tokens)  # before any sandbox
         task = self.task(request.task_id)
         if request.sample_id in self._running:
             raise Conflict(f"an episode with sample_id {request.sample_id!r} is already running; "

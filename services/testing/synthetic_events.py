@@ -41,6 +41,7 @@ class SyntheticRun:
     stale_drop_fraction: float = 0.0
     stale_length_factor: float = 1.0  # response length of stale-dropped episodes vs others
     live_snapshots: bool = False  # the sandbox services publish `sandbox.live` at the end
+    no_load_signal_engines: int = 0  # the last engines: the router reads no load from them
     entries: list[tuple[str, dict[str, Any]]] = field(default_factory=list, repr=False)
 
     def generate(self) -> list[tuple[str, dict[str, Any]]]:
@@ -129,7 +130,9 @@ class SyntheticRun:
                 engines.append({"engine": _engine(e), "dp_rank": r, "running": running,
                                 "waiting": 0, "cached_tokens": totals[1],
                                 "prompt_tokens": totals[0], "healthy": True,
-                                "weight_version": version, "circuit": "closed"})
+                                "weight_version": version, "circuit": "closed",
+                                "load_signal": "missing" if e >= self.num_engines -
+                                self.no_load_signal_engines else "ok"})
             self._event("rollout.load", "rollout", t, t, f"load-{t:.0f}", version,
                         in_flight=in_flight, cap=self.cap, engines=engines)
             t += 1.0

@@ -84,6 +84,32 @@ def test_up_serves_all_services_and_ctrl_c_leaves_nothing(tmp_path: Path) -> Non
         process.stop(up)
 
 
+#: Starts `riptide up` with SIGINT ignored, as a shell starts a background job (`riptide up &`):
+#: an ignored signal stays ignored across exec.
+_AS_BACKGROUND_JOB = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def test_up_started_with_sigint_ignored_still_stops_on_it(tmp_path: Path) -> None:
+    log = tmp_path / "up.log"
+    up = process.spawn([sys.executable, "-c", _AS_BACKGROUND_JOB, "-m", "services.cli", "up",
+                        "--dir", str(tmp_path / "stack")], log_path=log)
+    try:
+        _wait_for_line(log, "all services ready", up, timeout_s=240)
+        status = Path(f"/proc/{up.pid}/status").read_text()
+        ignored = int(next(line for line in status.splitlines()
+                           if line.startswith("SigIgn:")).split()[1], 16)
+        assert not ignored & (1 << (signal.SIGINT - 1)), "riptide up left SIGINT ignored"
+        children = descendants(up.pid)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(120) == 130
+        time.sleep(0.5)
+        assert alive(children) == set(), "processes left behind after SIGINT"
+        assert "[up] stopping" in log.read_text() and "[up] stopped" in log.read_text()
+    finally:
+        process.stop(up)
+
+
 def _engines_need_their_key(config: object, token: dict[str, str], up_pid: int) -> None:
     """The fleet's engine answers only the stack's generated key (SGLang's 401 otherwise),
     and no process has it, or any other secret, on its command line."""

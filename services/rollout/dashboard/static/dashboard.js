@@ -106,7 +106,7 @@
     mark("engines", table($("engines"), [["engine", "engine"], ["dp_rank", "dp rank"],
       ["state", "state"], ["running", "running"], ["waiting", "waiting"], [r => pct(r.hit_rate), "cache hits"],
       [r => r.healthy ? "healthy" : "unhealthy", "health"], ["weight_version", "weights"],
-      ["circuit", "circuit"]], s.engines));
+      ["circuit", "circuit"], [r => r.load_signal || "", "load signal"]], s.engines));
     mark("sandboxes", table($("sandboxes"), [["sandbox", "sandbox"], ["task_id", "task"],
       ["provider", "provider"], ["sample_id", "sample"], ["state", "state"],
       ["turns", "turns"], ["age_s", "age (s)"]], s.sandboxes));
