@@ -64,7 +64,11 @@ KINDS: dict[str, str] = {
                        "reward (null without verdict), verdict (scored, no_verdict, ...), "
                        "finish_reason, weight_versions (distinct, sorted), truncated "
                        "(context_length, max_turns or wall_time), aborted (an engine aborted "
-                       "a turn), message (why no verdict), eval (bool)",
+                       "a turn), message (why no verdict), no_verdict_cause (null when "
+                       "scored, else a name of services/common/no_verdict.py: "
+                       "provider_create_failed, sandbox_lost, agent_timeout, agent_error, "
+                       "context_overflow, verifier_error, verifier_timeout, engine_error), "
+                       "eval (bool)",
     "rollout.group_dropped": "instant (id the group id): group_id, reason (stale, no_verdict, "
                              "zero_variance, rejected_duplicate_id), samples",
     "rollout.eval": "span of one evaluation, first episode..last: weight_version, "

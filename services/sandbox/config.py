@@ -54,6 +54,8 @@ class AgentConfig(StrictModel):
     max_new_tokens: int = Field(4096, ge=1, description="per-turn cap when the request sets none")
     wall_time_s: float = Field(1800.0, gt=0, description="agent time cap (the task's own "
                                                          "agent timeout applies too)")
+    stop_grace_s: float = Field(60.0, gt=0, description="how long past its wall time an agent "
+                                "may take to stop before the episode is an agent timeout")
     default_command_timeout_s: float = Field(30.0, gt=0, description="timeout of a command "
                                                                      "that names none")
     max_command_timeout_s: float = Field(600.0, gt=0, description="cap of one command's timeout")

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.no_verdict import CAUSE_NAMES
+
 T0 = 1_750_000_000.0
 
 
@@ -181,7 +183,9 @@ class SyntheticRun:
                     sample_id=sample_id, group_id=group_id, task_id=task,
                     engine=_engine(engine), dp_rank=dp_rank, turns=2, prompt_tokens=120,
                     response_tokens=length, reward=reward, verdict=verdict,
-                    weight_versions=[version], truncated=truncated, aborted=aborted, eval=False)
+                    weight_versions=[version], truncated=truncated, aborted=aborted, eval=False,
+                    no_verdict_cause=None if verdict == "scored"
+                    else CAUSE_NAMES[1 + (step + index) % (len(CAUSE_NAMES) - 1)])
         text = [chr(97 + (i % 26)) for i in range(12)]
         self.entries.append(("episodes", {
             "sample_id": sample_id, "group_id": group_id, "task_id": task, "reward": reward,

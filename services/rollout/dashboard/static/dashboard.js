@@ -92,6 +92,8 @@
     mark("staleness", Charts.bars($("staleness"), s.staleness,
                                   {xLabel: "weight versions behind"}));
     mark("dropped", Charts.bars($("dropped"), s.dropped, {emptyText: "no group dropped"}));
+    mark("no_verdict_causes", Charts.bars($("no_verdict_causes"), s.no_verdict_causes,
+                                          {emptyText: "every episode has a verdict"}));
     const byStep = key => s.steps.filter(r => r[key] !== null && r[key] !== undefined)
       .map(r => [r.step, r[key]]);
     const xs = {xLabel: "step"};

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import InvalidRequest
+from services.common.no_verdict import CAUSE_NAMES
 from services.rollout.dashboard import load, samples, timeline, training
 from services.rollout.dashboard.record import RunRecord, load_jsonl
 from services.rollout.dashboard.summary import thin
@@ -133,6 +134,16 @@ def test_training_panels(record: RunRecord, run: SyntheticRun) -> None:
     total = run.num_steps * run.groups_per_step * run.samples_per_group
     assert consumed + dropped.get("stale (trainer)", 0) * run.samples_per_group == total
     assert [e["weight_version"] for e in training.evals(record)] == [4, 8]
+
+
+def test_missing_verdicts_by_cause(tmp_path: Path) -> None:
+    run = SyntheticRun(no_verdict_fraction=0.3, seed=5)
+    record = load_jsonl(write_jsonl(run.generate(), tmp_path / "run.jsonl"))
+    missing = [e for e in record.of_kind("rollout.episode") if e.attrs["verdict"] != "scored"]
+    causes = training.no_verdicts_by_cause(record)
+    assert missing and sum(causes.values()) == len(missing)
+    assert set(causes) <= set(CAUSE_NAMES[1:]) and len(causes) > 1
+    assert list(causes.values()) == sorted(causes.values(), reverse=True)
 
 
 def test_sample_table_and_view(record: RunRecord, run: SyntheticRun) -> None:
