@@ -88,7 +88,14 @@ KINDS: dict[str, str] = {
                     "{sandbox (empty while creating), "
                     "task_id, provider, sample_id, group_id (empty once the episode is gone), "
                     "turns, state (creating, running, verifying, deleting), age_s (since the "
-                    "sandbox was created; since its create began while creating)})",
+                    "sandbox was created; since its create began while creating)}); and the "
+                    "lifecycle figures of that process: incarnation, service_instance, "
+                    "num_alive, num_leased (lease held and unexpired), num_reaped, "
+                    "num_delete_failures (episodes' and the reaper's), lease_renew_failures, "
+                    "reaping (bool: the provider lists its sandboxes)",
+    "sandbox.reap": "span of the reaper deleting an orphaned sandbox of the run (id the sandbox "
+                    "id): sandbox, reason (incarnation_gone, lease_lapsed, run_end), "
+                    "incarnation (the sandbox's), task_id, ok",
     "sandbox.verify": "span of the verifier (id the sample id): task_id, passed (reward >= 1), "
                       "scored, reward, exit_code (of tests/test.sh; null when it timed out)",
 }

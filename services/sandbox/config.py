@@ -102,6 +102,18 @@ class SandboxConfig(ServiceConfig):
                                         description="sandbox creates in flight at once; "
                                                              "tunable live")
     delete_timeout_s: float = Field(60.0, gt=0, description="limit of one sandbox delete")
+    instance_name: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="this service's name in its sandboxes' labels, the same across restarts "
+                    "(default host:admin_port; with admin_port 0, unique per process)")
+    lease_s: float = Field(600.0, ge=1.0, le=86_400, description="a sandbox's lease: the "
+                           "reaper deletes it this long after its service last renewed it")
+    lease_renew_interval_s: float = Field(60.0, gt=0, le=3600, description="how often the "
+                                          "service renews the leases of its live sandboxes")
+    lease_create_grace_s: float = Field(1800.0, ge=0, le=86_400, description="extra lease of "
+                                        "a sandbox being created (image builds take long)")
+    reap_interval_s: float = Field(60.0, gt=0, le=3600, description="how often the reaper "
+                                   "lists the run's sandboxes (also at start-up and stop)")
     model_client: Literal["router", "scripted"] = Field(
         "router", description="router: the real model via Router.Generate; scripted: replayed "
                               "commands (tests and benchmarks only)")
@@ -119,6 +131,14 @@ class SandboxConfig(ServiceConfig):
     live_snapshot_heartbeat_s: float = Field(
         10.0, ge=1.0, le=3600.0, description="a `sandbox.live` event at least this often, "
                                              "changed or not")
+
+    @model_validator(mode="after")
+    def _renewals_within_lease(self) -> SandboxConfig:
+        if self.lease_renew_interval_s * 2 > self.lease_s:
+            raise ValueError(f"sandbox.lease_renew_interval_s ({self.lease_renew_interval_s}) "
+                             f"must be at most half of lease_s ({self.lease_s}), so that one "
+                             "failed renewal does not let a lease lapse: renew more often")
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_after_interval(self) -> SandboxConfig:

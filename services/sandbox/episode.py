@@ -21,6 +21,7 @@ from services.common.no_verdict import trajectory_cause
 from services.sandbox.agent import AgentRun, TerminalAgent
 from services.sandbox.episode_detail import episode_detail
 from services.sandbox.failures import AgentError, AgentTimeout, Phase, cause_of
+from services.sandbox.leases import Leases, Owner, new_incarnation
 from services.sandbox.limiter import Limiter
 from services.sandbox.live import LiveSandboxes
 from services.sandbox.provider import SandboxHandle, SandboxProvider
@@ -39,8 +40,9 @@ class EpisodeRunner:
     def __init__(self, provider: SandboxProvider, agent: TerminalAgent, stats: SandboxStats,
                  max_concurrent_episodes: int, max_concurrent_creates: int,
                  run_name: str, delete_timeout_s: float = 60.0,
-                 events: EventPublisher | None = None) -> None:
+                 events: EventPublisher | None = None, leases: Leases | None = None) -> None:
         self.events = events or EventPublisher.disabled("sandbox")
+        self.leases = leases or Leases(provider, Owner(run_name, "", new_incarnation()))
         self.provider = provider
         self.agent = agent
         self.stats = stats
@@ -150,8 +152,7 @@ class EpisodeRunner:
 
     async def _acquire(self, task: Task, sample_id: str,
                        timings: common_pb2.EpisodeTimings) -> SandboxHandle:
-        labels = {"riptide.run": self.run_name, "riptide.task": task.name,
-                  "riptide.episode": sample_id}
+        labels = self.leases.labels(task.name, sample_id)
         waited = time.monotonic()
         creation = asyncio.ensure_future(self._create(task, labels, waited))
         try:
@@ -177,6 +178,7 @@ class EpisodeRunner:
                 attrs["sandbox"] = handle.sandbox_id
         now = time.monotonic()
         self.stats.sandbox_created(handle, now - started, now - waited)
+        self.leases.track(handle, labels)
         return handle
 
     def _delete_late_arrival(self, creation: asyncio.Future[SandboxHandle]) -> None:
@@ -194,6 +196,7 @@ class EpisodeRunner:
 
     async def _delete(self, handle: SandboxHandle) -> None:
         ok = False
+        self.leases.forget(handle.sandbox_id)
         with self.events.span("sandbox.delete", id=handle.sandbox_id,
                               attrs={"sandbox": handle.sandbox_id,
                                      "task_id": handle.task_name}) as attrs:

@@ -64,14 +64,18 @@ class SyntheticRun:
         """A service that stopped reporting long ago (its rows are stale), then the live one
         listing the sandboxes never deleted."""
         self._event("sandbox.live", "sandbox", t - 600, t - 600, "gone:1", None,
-                    instance="gone:1", heartbeat_s=10.0, sandboxes=[
+                    instance="gone:1", heartbeat_s=10.0, incarnation="a1",
+                    service_instance="host:8053", num_alive=1, num_leased=1, num_reaped=0,
+                    num_delete_failures=0, sandboxes=[
                         {"sandbox": "sbx-gone", "task_id": "csv-revenue", "provider": "local",
                          "sample_id": "old", "group_id": "g0", "turns": 1, "state": "running",
                          "age_s": 5.0}])
         rows = [{**row, "provider": "local", "turns": 2, "state": "running",
                  "age_s": t - row["age_s"]} for row in self._undeleted]
         self._event("sandbox.live", "sandbox", t, t, "sandbox:1", None, instance="sandbox:1",
-                    heartbeat_s=10.0, sandboxes=rows)
+                    heartbeat_s=10.0, incarnation="b2", service_instance="host:8053",
+                    num_alive=len(rows), num_leased=len(rows), num_reaped=1,
+                    num_delete_failures=0, sandboxes=rows)
 
     def _event(self, kind: str, service: str, start: float, end: float | None, ident: str,
                version: int | None, **attrs: Any) -> None:

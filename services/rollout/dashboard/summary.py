@@ -52,5 +52,6 @@ def summary(record: RunRecord, config: DashboardConfig, live: bool) -> dict[str,
         "evals": training.evals(record),
         "engines": load.engines_table(record),
         "sandboxes": load.live_sandboxes(record),
+        "sandbox_lifecycle": load.sandbox_lifecycle(record),
         "samples": samples.recent_episodes(record, config.num_recent_samples),
     }

@@ -109,6 +109,10 @@
       ["state", "state"], ["running", "running"], ["waiting", "waiting"], [r => pct(r.hit_rate), "cache hits"],
       [r => r.healthy ? "healthy" : "unhealthy", "health"], ["weight_version", "weights"],
       ["circuit", "circuit"]], s.engines));
+    mark("sandbox_lifecycle", table($("sandbox_lifecycle"), [["service", "service"],
+      ["incarnation", "incarnation"], ["live", "live"], ["leased", "leased"],
+      ["reaped", "reaped"], ["failed_deletes", "failed deletes"],
+      [r => r.reporting ? "yes" : "gone", "reporting"]], s.sandbox_lifecycle));
     mark("sandboxes", table($("sandboxes"), [["sandbox", "sandbox"], ["task_id", "task"],
       ["provider", "provider"], ["sample_id", "sample"], ["state", "state"],
       ["turns", "turns"], ["age_s", "age (s)"]], s.sandboxes));

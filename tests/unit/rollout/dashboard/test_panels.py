@@ -125,6 +125,16 @@ def test_live_sandboxes_come_from_the_newest_snapshot_of_each_reporting_service(
     assert load.live_sandboxes(record) == []  # the service stopped reporting
 
 
+def test_sandbox_lifecycle_rows_per_service_process(tmp_path: Path) -> None:
+    run = SyntheticRun(live_snapshots=True)
+    record = load_jsonl(write_jsonl(run.generate(), tmp_path / "run.jsonl"))
+    gone, live = load.sandbox_lifecycle(record)
+    assert (gone["incarnation"], gone["reporting"], gone["live"]) == ("a1", False, 1)
+    num_live = len(load.live_sandboxes(record))
+    assert live == {"service": "host:8053", "incarnation": "b2", "live": num_live,
+                    "leased": num_live, "reaped": 1, "failed_deletes": 0, "reporting": True}
+
+
 def test_training_panels(record: RunRecord, run: SyntheticRun) -> None:
     rows = training.steps(record)
     assert [r["step"] for r in rows] == list(range(1, run.num_steps + 1))
