@@ -32,7 +32,7 @@ class GroupSink(Protocol):
 
 def no_verdict_trajectory(request: sandbox_pb2.RunEpisodeRequest,
                           message: str,
-                          cause: common_pb2.NoVerdictCause.ValueType
+                          cause: common_pb2.NoVerdictCause
                           = common_pb2.NO_VERDICT_CAUSE_SANDBOX_LOST) -> common_pb2.Trajectory:
     """The trajectory that stands for an episode whose RunEpisode call failed: the sandbox
     service (and with it the episode's sandbox) was lost, unless `cause` says otherwise."""
@@ -43,7 +43,7 @@ def no_verdict_trajectory(request: sandbox_pb2.RunEpisodeRequest,
     )
 
 
-def call_failure_cause(exc: BaseException) -> common_pb2.NoVerdictCause.ValueType:
+def call_failure_cause(exc: BaseException) -> common_pb2.NoVerdictCause:
     """The cause of a RunEpisode call that failed: past its deadline the agent timed out;
     anything else lost the sandbox service."""
     if isinstance(exc, DeadlineExceeded):

@@ -19,7 +19,7 @@ from services.common.errors import InvalidRequest, RiptideError, Unavailable
 from services.sandbox.provider import SandboxError
 
 Phase = Literal["create", "agent", "verify"]
-Cause = common_pb2.NoVerdictCause.ValueType
+Cause = common_pb2.NoVerdictCause
 
 PROVIDER_CREATE_FAILED = common_pb2.NO_VERDICT_CAUSE_PROVIDER_CREATE_FAILED
 SANDBOX_LOST = common_pb2.NO_VERDICT_CAUSE_SANDBOX_LOST

@@ -204,6 +204,9 @@ def test_orphans_of_a_killed_sandbox_service_are_reaped_after_its_restart(
         service.start_episodes(1, "late")
         service.stop()
         assert _listed(run) == []
+        if kind == "local":  # no tree of the run anywhere, the killed process's included
+            assert {str(p) for p in trees.glob("*/sbx-*")} == \
+                {str(s.info["root"]) for s in bystanders}
     finally:
         service.stop()
         bystander.stop()

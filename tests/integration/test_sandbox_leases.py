@@ -9,7 +9,10 @@ and nothing of another run.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common import process
 from services.sandbox.config import DaytonaProviderConfig
 from services.sandbox.leases import INCARNATION, LEASE_UNTIL, Leases, Owner, lease_until
 from services.sandbox.provider import SandboxError, SandboxProvider
@@ -117,6 +121,32 @@ def test_another_instances_sandbox_goes_only_when_its_lease_lapsed(
         await provider.close()
 
     asyncio.run(run())
+
+
+def test_a_dead_processes_local_orphans_go_at_once_and_its_directory_with_them(
+        trees: Path) -> None:
+    # A real process makes 8 labelled sandboxes and is SIGKILLed; 8 concurrent deletes
+    # must each succeed, and the last one removes the dead process's directory.
+    maker = process.spawn([sys.executable, "-m", "services.testing.orphan_maker", str(trees),
+                           str(REPO / "tasks"), TASK.name, "8", "run-d", "host:1", "dead"])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(trees.glob("*/sbx-*/labels.json"))) < 8:
+            assert maker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        os.killpg(maker.pid, signal.SIGKILL)
+        maker.wait(10)
+    provider = LocalProvider(LocalProviderConfig(root_dir=trees))
+    reaper = Reaper(provider, Leases(provider, Owner("run-d", "host:1", "new")), set)
+
+    async def run() -> None:
+        assert await reaper.sweep() == 8
+        assert reaper.reaped == {"incarnation_gone": 8} and reaper.delete_failures == 0
+        await provider.close()
+
+    asyncio.run(run())
+    assert list(trees.iterdir()) == []
 
 
 def test_the_stand_in_lists_in_pages_as_daytona_does(daytona: DaytonaServer,

@@ -15,6 +15,7 @@ unlabelled trees go when the next provider starts. Built by `make_provider` for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import io
 import json
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -123,6 +125,7 @@ class LocalProvider(SandboxProvider):
         local_tree.build_skeleton(self._skeleton, self._ro_binds)
         self._uids = UidPool(config.uid_base, config.num_uids) if os.geteuid() == 0 else None
         self._sandboxes: dict[str, _Sandbox] = {}
+        self._foreign_lock = threading.Lock()
         self._plans: dict[Path, Any] = {}
         self._cpu_ids = sorted(os.sched_getaffinity(0))
         self._next_cpu = 0
@@ -392,7 +395,17 @@ class LocalProvider(SandboxProvider):
             return
         # Another process's: its commands died with it (bubblewrap's --die-with-parent).
         root = Path(sandbox.info["root"])
-        await asyncio.to_thread(_remove_foreign, root)
+        await asyncio.to_thread(self._remove_foreign, root)
+
+    def _remove_foreign(self, root: Path) -> None:
+        """Delete another process's sandbox tree, then its process's directory once that
+        process is gone and no sandbox is left in it (one deleter at a time decides)."""
+        local_tree.remove_tree(root)
+        instance = root.parent
+        with self._foreign_lock:
+            if _instance_dead(instance) and not any(instance.glob("sbx-*")):
+                with contextlib.suppress(FileNotFoundError):  # another process's reaper won
+                    local_tree.remove_tree(instance)
 
     async def close(self) -> None:
         """Delete every live sandbox and this provider's directory."""
@@ -477,15 +490,6 @@ def _list_labelled(base: Path, wanted: dict[str, str]) -> list[ListedSandbox]:
 def _instance_dead(instance: Path) -> bool:
     pid = instance.name.split("-", 1)[0]
     return pid.isdigit() and not Path(f"/proc/{pid}").exists()
-
-
-def _remove_foreign(root: Path) -> None:
-    """Delete another process's sandbox tree, and its process's directory once that process
-    is gone and no labelled sandbox is left in it."""
-    local_tree.remove_tree(root)
-    instance = root.parent
-    if _instance_dead(instance) and not any(instance.glob("sbx-*")):
-        local_tree.remove_tree(instance)
 
 
 def _remove_dead_instances(base: Path) -> None:
