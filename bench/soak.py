@@ -13,12 +13,16 @@ fleet entry), not while it imports torch and loads its model; its growth is the 
 (last - baseline) over its incarnations, and the growth over the later half of its longest
 measured incarnation tells warm-up from a leak. At the end the faults stop, the run takes one more
 step and services/testing/fault_stack.py's audit compares the groups produced (Redis
-markers), still in the stream, trained (checkpoint) and dropped with reasons.
+markers), still in the stream, trained (checkpoint) and dropped with reasons. From the run's
+events (every incarnation's): episodes without verdict by cause (`rollout.episode`), and
+the sandboxes the reaper deleted after the sandbox service's kills, by reason
+(`sandbox.reap`).
 
 Usage: python bench/soak.py [--minutes 5] [--seed 0] [--interval-s auto] [--warmup-s 15]
                             [--dir D]
 Last line: {"produced": ..., "trained": ..., "dropped": {...}, "lost": 0, "duplicated": 0,
-            "faults_injected": {...}, "recovery_s_max": ..., "staleness_max": ..., ...}
+            "faults_injected": {...}, "recovery_s_max": ..., "staleness_max": ...,
+            "no_verdict_by_cause": {...}, "sandboxes_reaped": {...}, ...}
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import shutil
 import signal
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.events import iter_events
 from services.local_stack import MAX_STALENESS
 from services.testing.fault_stack import FaultStack
 
@@ -167,6 +173,24 @@ def _recover(stack: FaultStack, sampler: Sampler, step_before: int) -> float:
     return float("inf")
 
 
+def event_counts(stack: FaultStack) -> dict[str, Any]:
+    """From the run's events, every incarnation's: episodes by verdict, those without a
+    verdict by cause, and the reaper's deletes by reason (failed ones apart)."""
+    episodes: Counter[str] = Counter()
+    causes: Counter[str] = Counter()
+    reaped: Counter[str] = Counter()
+    for event in iter_events(stack.redis(), stack.run):
+        if event.kind == "rollout.episode":
+            episodes[str(event.attrs.get("verdict"))] += 1
+            if event.attrs.get("verdict") != "scored":
+                causes[str(event.attrs.get("no_verdict_cause") or "unspecified")] += 1
+        elif event.kind == "sandbox.reap":
+            ok = event.attrs.get("ok")
+            reaped[str(event.attrs.get("reason")) + ("" if ok else " (failed)")] += 1
+    return {"episodes_by_verdict": dict(episodes), "no_verdict_by_cause": dict(causes),
+            "sandboxes_reaped": dict(reaped)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=5.0)
@@ -217,6 +241,7 @@ def main() -> None:
                                                            - fault_phase_start) / 60)
         stack.wait_steps(1, RECOVERY_BOUND_S)
         audit = stack.audit()
+        events = event_counts(stack)
     finally:
         stack.stop()
     worst = max((r for rs in recoveries.values() for r in rs), default=0.0)
@@ -224,6 +249,7 @@ def main() -> None:
         "minutes": args.minutes, "seed": args.seed, "interval_s": round(interval, 1),
         **{k: v for k, v in audit.as_dict().items() if k != "rollout_dropped"},
         "rollout_dropped_last_incarnation": audit.rollout_dropped,
+        **events,
         "faults_injected": {k: len(v) for k, v in recoveries.items()},
         "every_kind_injected": set(recoveries) == set(kinds),
         "recovery_s": recoveries, "recovery_s_max": worst, "recovery_bound_s": RECOVERY_BOUND_S,

@@ -15,6 +15,7 @@ from typing import Any
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
 from services.common.events import EventPublisher
+from services.common.no_verdict import trajectory_cause
 from services.rollout.episodes import generated_versions
 
 
@@ -50,6 +51,7 @@ class RolloutEvents:
                                                       "wall_time"),
             "aborted": "Aborted" in trajectory.status_message,
             "message": trajectory.status_message[:300], "eval": evaluation,
+            "no_verdict_cause": trajectory_cause(trajectory),
         })  # fmt: skip
 
     def group_dropped(self, group_id: str, reason: str, weight_version: int,

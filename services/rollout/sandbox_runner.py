@@ -9,7 +9,7 @@ import grpc
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2, sandbox_pb2_grpc
 from services.common.bounds import MAX_ID_CHARS
-from services.common.errors import Unavailable
+from services.common.errors import DeadlineExceeded, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ class SandboxEpisodeRunner:
                 raise Unavailable(f"episode {request.sample_id}: the stream ended without a "
                                   "trajectory")
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise DeadlineExceeded(f"episode {request.sample_id}: RunEpisode ran past "
+                                           f"{self._timeout_s} s") from None
                 if started or exc.code() not in _NOT_STARTED or attempt == self._max_attempts:
                     raise Unavailable(f"episode {request.sample_id}: RunEpisode failed: "
                                       f"{exc.code().name}: {exc.details()}") from None

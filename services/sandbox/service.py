@@ -1,6 +1,8 @@
 """The sandbox service: the Sandbox gRPC API over the episode runner, plus admin state.
 
-Owns the task set, the provider, the model client and the episode runner; serves
+Owns the task set, the provider, the model client, the episode runner and, where the
+provider can list its sandboxes, the lease renewals and the reaper (leases.py, reaper.py:
+a first sweep at start-up, one per `reap_interval_s`, a last one at stop); serves
 `RunEpisode` (progress events, then exactly one trajectory), `ListTasks` and `GetStatus`.
 Built by server.py's `build_runtime`, run by services/common/serve.py.
 """
@@ -27,6 +29,7 @@ from services.sandbox.episode import EpisodeRunner
 from services.sandbox.live import publish_live, publish_snapshot
 from services.sandbox.model_client import ModelClient
 from services.sandbox.provider import SandboxProvider
+from services.sandbox.reaper import Reaper
 from services.sandbox.stats import SandboxStats
 from services.sandbox.task import Task, TaskSet
 
@@ -64,8 +67,10 @@ class SandboxService(ServiceRuntime):
                  model: ModelClient, runner: EpisodeRunner, stats: SandboxStats,
                  scripts: dict[str, list[str]] | None = None,
                  script_maker: Callable[[Task], list[str]] | None = None,
-                 gateway: AgentGateway | None = None) -> None:
+                 reaper: Reaper | None = None, gateway: AgentGateway | None = None) -> None:
         super().__init__()
+        self.reaper = reaper
+        self._upkeep: list[asyncio.Task[None]] = []
         self.config = config
         self.tunable = config
         self.tasks = tasks
@@ -90,10 +95,17 @@ class SandboxService(ServiceRuntime):
             await self.gateway.start()
             log.info("agent gateway on %s", self.gateway.base_url("<episode>"))
         self._started = True
+        loop = asyncio.get_running_loop()
+        if self.reaper is not None and self.provider.supports_listing:
+            self._upkeep = [
+                loop.create_task(self.reaper.keep_reaping(self.config.reap_interval_s)),
+                loop.create_task(self.runner.leases.keep_renewing(
+                    self.config.lease_renew_interval_s))]
         if self.runner.events.enabled:
-            self._live = asyncio.get_running_loop().create_task(publish_live(
+            self._live = loop.create_task(publish_live(
                 self.runner.events, self.runner.live, self.stats.alive,
-                self.config.live_snapshot_interval_s, self.config.live_snapshot_heartbeat_s))
+                self.config.live_snapshot_interval_s, self.config.live_snapshot_heartbeat_s,
+                self.sandbox_lifecycle))
 
     def ready(self) -> bool:
         return self._started
@@ -107,18 +119,37 @@ class SandboxService(ServiceRuntime):
         await self.runner.drain_deletes(self.config.delete_timeout_s)
         if self.gateway is not None:
             await self.gateway.stop()
+        for task in self._upkeep:
+            task.cancel()
+        if self._upkeep and self.reaper is not None:  # what this run's service made goes
+            await asyncio.gather(*self._upkeep, return_exceptions=True)
+            await self.reaper.sweep(final=True)
         if self._live is not None:
             self._live.cancel()
             # the last snapshot: what is still alive after the drain (usually nothing)
             publish_snapshot(self.runner.events, self.runner.live, self.stats.alive,
-                             self.config.live_snapshot_heartbeat_s)
+                             self.config.live_snapshot_heartbeat_s, self.sandbox_lifecycle)
         await self.model.close()
         await self.provider.close()
         await asyncio.to_thread(self.runner.events.close)
 
+    def sandbox_lifecycle(self) -> dict[str, Any]:
+        """Sandbox lifecycle figures: live, leased, reaped, failed deletes (episodes' and the
+        reaper's), and whose they are."""
+        leases, reaper = self.runner.leases, self.reaper
+        return {"incarnation": leases.owner.incarnation, "service_instance": leases.owner.instance,
+                "num_alive": len(self.stats.alive), "num_leased": leases.num_leased(),
+                "num_reaped": sum(reaper.reaped.values()) if reaper else 0,
+                "num_delete_failures": self.stats.delete_failures
+                + (reaper.delete_failures if reaper else 0),
+                "lease_renew_failures": leases.renew_failures,
+                "reaping": bool(self._upkeep)}
+
     def state(self) -> dict[str, Any]:
         return {
             **self.stats.snapshot(),
+            "lifecycle": self.sandbox_lifecycle(),
+            "reaper": self.reaper.stats() if self.reaper else {},
             "provider": self.config.provider.type,
             "model_client": self.config.model_client,
             "num_tasks": len(self.tasks),

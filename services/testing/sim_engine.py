@@ -64,6 +64,7 @@ class SimEngine:
         self.fail_health = False
         self.fail_status = 0
         self.fail_count = 0
+        self.context_len = 0  # 0: no limit; else prompts this long are refused (HTTP 400)
         self.running = asyncio.Event()
         self.running.set()
         self.abort_epoch = 0
@@ -149,7 +150,9 @@ class SimEngine:
         self.fail_health = bool(body.get("fail_health", self.fail_health))
         self.fail_status = int(body.get("fail_generate_status", self.fail_status))
         self.fail_count = int(body.get("fail_generate_count", -1 if self.fail_status else 0))
-        return 200, {"fail_health": self.fail_health, "fail_generate_status": self.fail_status}
+        self.context_len = int(body.get("context_len", self.context_len))
+        return 200, {"fail_health": self.fail_health, "fail_generate_status": self.fail_status,
+                     "context_len": self.context_len}
 
     async def get_last_request(self, body: dict[str, Any]) -> tuple[int, Any]:
         """The body of the last /generate call, as it arrived (tests check pass-through)."""
@@ -189,6 +192,9 @@ class SimEngine:
             ids = list(body["text"].encode())  # no tokenizer: one id per byte
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             return _error(400, "input_ids must be a non-empty list of token ids")
+        if self.context_len and len(ids) >= self.context_len:  # SGLang's own words
+            return _error(400, f"The input ({len(ids)} tokens) is longer than the model's "
+                               f"context length ({self.context_len} tokens).")
         rank_id = self._pick_rank(body)
         if rank_id is None:
             return _error(400, f"routed_dp_rank out of range (dp_size={len(self.ranks)})")

@@ -38,7 +38,8 @@ class SimEngineProcess(ChildServer):
         super().__init__(cmd, start_timeout_s)
 
     def control(self, **settings: Any) -> dict[str, Any]:
-        """POST /sim/control: fail_health, fail_generate_status, fail_generate_count."""
+        """POST /sim/control: fail_health, fail_generate_status, fail_generate_count,
+        context_len (prompts of at least that many tokens are refused as SGLang does; 0: off)."""
         return dict(httpx.post(f"{self.url}/sim/control", json=settings, timeout=5).json())
 
     def last_request(self) -> dict[str, Any]:

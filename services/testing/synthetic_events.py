@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.no_verdict import CAUSE_NAMES
+
 T0 = 1_750_000_000.0
 
 
@@ -63,14 +65,18 @@ class SyntheticRun:
         """A service that stopped reporting long ago (its rows are stale), then the live one
         listing the sandboxes never deleted."""
         self._event("sandbox.live", "sandbox", t - 600, t - 600, "gone:1", None,
-                    instance="gone:1", heartbeat_s=10.0, sandboxes=[
+                    instance="gone:1", heartbeat_s=10.0, incarnation="a1",
+                    service_instance="host:8053", num_alive=1, num_leased=1, num_reaped=0,
+                    num_delete_failures=0, sandboxes=[
                         {"sandbox": "sbx-gone", "task_id": "csv-revenue", "provider": "local",
                          "sample_id": "old", "group_id": "g0", "turns": 1, "state": "running",
                          "age_s": 5.0}])
         rows = [{**row, "provider": "local", "turns": 2, "state": "running",
                  "age_s": t - row["age_s"]} for row in self._undeleted]
         self._event("sandbox.live", "sandbox", t, t, "sandbox:1", None, instance="sandbox:1",
-                    heartbeat_s=10.0, sandboxes=rows)
+                    heartbeat_s=10.0, incarnation="b2", service_instance="host:8053",
+                    num_alive=len(rows), num_leased=len(rows), num_reaped=1,
+                    num_delete_failures=0, sandboxes=rows)
 
     def _event(self, kind: str, service: str, start: float, end: float | None, ident: str,
                version: int | None, **attrs: Any) -> None:
@@ -184,7 +190,9 @@ class SyntheticRun:
                     sample_id=sample_id, group_id=group_id, task_id=task,
                     engine=_engine(engine), dp_rank=dp_rank, turns=2, prompt_tokens=120,
                     response_tokens=length, reward=reward, verdict=verdict,
-                    weight_versions=[version], truncated=truncated, aborted=aborted, eval=False)
+                    weight_versions=[version], truncated=truncated, aborted=aborted, eval=False,
+                    no_verdict_cause=None if verdict == "scored"
+                    else CAUSE_NAMES[1 + (step + index) % (len(CAUSE_NAMES) - 1)])
         text = [chr(97 + (i % 26)) for i in range(12)]
         self.entries.append(("episodes", {
             "sample_id": sample_id, "group_id": group_id, "task_id": task, "reward": reward,
