@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from services.common import process
+from services.common.checkpoint_steps import latest_checkpoint_step
 from services.common.config import deep_merge, dump_config
 from services.common.errors import ConfigError, RiptideError, Unavailable
 from services.common.ports import free_ports
@@ -126,12 +127,16 @@ class LocalStack:
     """Redis plus the four services, each a supervised child process with its own log."""
 
     def __init__(self, run_dir: Path, config_path: Path,
-                 say: Callable[[str], None] = print, supervisor: Supervisor | None = None) -> None:
+                 say: Callable[[str], None] = print, supervisor: Supervisor | None = None,
+                 max_steps: int | None = None) -> None:
         self.run_dir = run_dir
         self.config_path = config_path
         self.config = load_config(config_path)
         self.say = say
         self.supervisor = supervisor or Supervisor()
+        #: The trainer's last step (its `max_steps`): it trains, checkpoints and syncs that
+        #: step, then reads no more, so a stop never trains a step beyond it.
+        self.max_steps = max_steps
 
     @property
     def children(self) -> dict[str, subprocess.Popen[bytes]]:
@@ -178,6 +183,8 @@ class LocalStack:
     def _spawn(self, name: str) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "services.cli", "serve", name,
                "--config", str(self.config_path)]
+        if name == "trainer" and self.max_steps is not None:
+            cmd += ["--set", f"trainer.max_steps={self.max_steps}"]
         return process.spawn(cmd, log_path=self._log(name), cwd=REPO_ROOT)
 
     def _log(self, name: str) -> Path:
@@ -325,8 +332,9 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
     progress = None
     try:
         resumed_step = _announce_run(stack)
+        target = None if steps is None else resumed_step + steps
+        stack.max_steps = target
         if stack.config.run.events.enabled:
-            target = None if steps is None else resumed_step + steps
             progress = StepProgress(stack.config.redis.url, stack.config.run.name, target,
                                     _exporter(stack))
         stack.start()
@@ -336,7 +344,6 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         if rollout.dashboard.enabled:
             url = dashboard_url(rollout.host, rollout.admin_port, stack.config.run.admin_token)
             print(f"[up] dashboard {url}", flush=True)
-        target = None if steps is None else resumed_step + steps
         if target is not None and resumed_step:
             print(f"[up] --steps {steps}: training until step {target}", flush=True)
         return _supervise(stack, target, summarize, progress)
@@ -386,17 +393,10 @@ def _run_score(stack: LocalStack) -> int:
         print("[up] stopped", flush=True)
 
 
-def checkpoint_step(checkpoint_dir: Path) -> int:
-    """The step of the newest complete checkpoint under `checkpoint_dir` (0: none)."""
-    steps = [int(p.name.split("-", 1)[1]) for p in checkpoint_dir.glob("step-*")
-             if p.name.split("-", 1)[1].isdigit()]
-    return max(steps, default=0)
-
-
 def _announce_run(stack: LocalStack) -> int:
     """Say whether this is a fresh run or the resumption of one; returns the resumed step."""
     ckpt_dir = Path(stack.config.trainer.checkpoint.dir)
-    step = checkpoint_step(ckpt_dir)
+    step = latest_checkpoint_step(ckpt_dir)
     saved = any((stack.run_dir / "redis" / n).exists() for n in ("appendonlydir", "appendonly.aof"))
     if step:
         stream = "its stream" if saved else "no saved stream"
@@ -422,7 +422,7 @@ def _supervise(stack: LocalStack, target_step: int | None,
     while True:
         stack.check_children()
         print_progress()
-        if target_step is not None and trainer_step(stack.config) >= target_step:
+        if target_step is not None and trainer_finished(stack.config, target_step):
             time.sleep(0.5)  # the last step's event is on its way (the publisher batches)
             print_progress()
             if summarize is not None:
@@ -431,12 +431,24 @@ def _supervise(stack: LocalStack, target_step: int | None,
         time.sleep(1.0)
 
 
-def trainer_step(config: Any) -> int:
-    """The trainer's step from its admin state (-1 while it cannot say)."""
+def _trainer_details(config: Any) -> dict[str, Any]:
+    """The trainer's admin state details ({} while it cannot say)."""
     headers = {"Authorization": f"Bearer {config.run.admin_token}"}
     try:
         state = httpx.get(f"{config.trainer.admin_url}/admin/state", headers=headers,
                           timeout=2.0).json()
     except (httpx.HTTPError, ValueError):
-        return -1
-    return int((state.get("details") or {}).get("step", -1))
+        return {}
+    return dict(state.get("details") or {})
+
+
+def trainer_step(config: Any) -> int:
+    """The trainer's step from its admin state (-1 while it cannot say)."""
+    return int(_trainer_details(config).get("step", -1))
+
+
+def trainer_finished(config: Any, max_steps: int) -> bool:
+    """Whether the trainer's loop ended at its `max_steps`: that step is trained,
+    checkpointed and synced, and nothing beyond it will be."""
+    details = _trainer_details(config)
+    return int(details.get("step", -1)) >= max_steps and details.get("phase") == "stopped"
