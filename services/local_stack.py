@@ -313,15 +313,22 @@ def _redis_pings(port: int) -> bool:
 
 
 def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
-           summarize: Callable[[Any], str] | None = None) -> int:
+           summarize: Callable[[Any], str] | None = None,
+           overrides: dict[str, dict[str, Any]] | None = None) -> int:
     """The body of `riptide up`: start or resume, supervise until Ctrl-C / SIGTERM /
-    `steps` more trainer steps / a child that keeps dying, then stop everything."""
+    `steps` more trainer steps / a child that keeps dying, then stop everything. Without
+    `config_path` a local config is written (with `overrides`; the tiny model unless they
+    name another)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if config_path is None:
         config_path = run_dir / "config.toml"
-        config_path.write_text(dump_config(local_config(run_dir)))
+        config = local_config(run_dir, overrides)
+        config_path.write_text(dump_config(config))
         os.chmod(config_path, 0o600)
-        print(f"[up] tiny model {ensure_tiny_model(run_dir)}", flush=True)
+        if config.trainer.model.hf_path == str(run_dir / "model"):
+            print(f"[up] tiny model {ensure_tiny_model(run_dir)}", flush=True)
+        else:
+            print(f"[up] model {config.trainer.model.hf_path}", flush=True)
     elif not config_path.exists():
         raise ConfigError(f"{config_path}: no such config file")
     print(f"[up] config {config_path}  logs {run_dir / 'logs'}", flush=True)
