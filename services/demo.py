@@ -78,10 +78,16 @@ def demo_summary(config: Any) -> str:
     for step, a in sorted(steps.items()):
         lines.append(f"     {step:>4}  {float(a.get('reward_mean') or 0):>6.2f}  "
                      f"{float(a.get('success_rate') or 0):>7.0%}  {a.get('samples', 0):>8}")
+    trained = sum(int(a.get("samples") or 0) for a in steps.values())
+    finished = [e for e in episodes if not str(e.get("sample_id", "")).startswith("eval")]
+    solved = sum((e.get("reward") or 0) >= 1.0 for e in finished)
+    lines.append(f"     episodes finished {len(finished)}, solved {solved}; the steps trained "
+                 f"on {trained}, the others wait in the stream for the next run")
     shown = pick_episodes(episodes, NUM_EPISODES_SHOWN)
     for episode in shown:
         lines += ["", *transcript(episode)]
-    figures = {"steps": sorted(steps), "reward_by_step": [steps[s].get("reward_mean")
+    figures = {"steps": sorted(steps), "episodes_finished": len(finished),
+               "episodes_solved": solved, "reward_by_step": [steps[s].get("reward_mean")
                                                           for s in sorted(steps)],
                "success_by_step": [steps[s].get("success_rate") for s in sorted(steps)],
                "episodes_shown": [{"task": e.get("task_id"), "reward": e.get("reward")}

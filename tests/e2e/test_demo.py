@@ -33,11 +33,14 @@ def test_demo_summary_shows_steps_and_episodes_matching_the_checkpoints(tmp_path
     rows = [line.split() for line in lines[start + 2:start + 4]]
     assert [row[0] for row in rows] == ["1", "2"]
     assert all(row[2].endswith("%") and int(row[3]) == 4 for row in rows)  # a group of 4
+    assert lines[start + 4].split()[:2] == ["episodes", "finished"]
     figures = json.loads(next(line for line in lines
                               if line.startswith('{"riptide_demo_summary"')))
     summary = figures["riptide_demo_summary"]
     assert summary["steps"] == [1, 2] == checkpoint_steps(run_dir / "checkpoints")
     assert len(summary["reward_by_step"]) == len(summary["success_by_step"]) == 2
+    assert summary["episodes_finished"] >= 8  # two trained steps of four at least
+    assert summary["episodes_solved"] == 0  # the tiny random model solves nothing
     assert 1 <= len(summary["episodes_shown"]) <= 3
     episodes = [i for i, line in enumerate(lines) if line.startswith("[demo] episode ")]
     assert len(episodes) == len(summary["episodes_shown"])
