@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TASKS = ("write-hello", "make-dir", "touch-file", "copy-file", "first-line", "uppercase")
 DEMO_MODEL = "smollm2-135m"
 DEMO_AGENT = {"protocol": "markdown_bash", "max_turns": 3, "max_new_tokens": 48,
-              "max_context_tokens": 2048, "wall_time_s": 120.0, "default_command_timeout_s": 10.0}
+              "max_context_tokens": 2048, "wall_time_s": 300.0, "default_command_timeout_s": 10.0}
 #: Episodes the summary shows, and how much of a command's output.
 NUM_EPISODES_SHOWN = 3
 OUTPUT_LINES = 4
