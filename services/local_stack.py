@@ -6,7 +6,9 @@ serve` at once (each waits for the peers it calls, so start order does not matte
 until every one is ready, then supervises them: a child that dies is restarted with backoff
 (services/common/supervision.py), and one that keeps dying stops the stack with a report.
 Everything stops (process groups, no orphans) on Ctrl-C, on SIGTERM, on such a give-up, or
-when the trainer reached `--steps` more steps.
+when the trainer reached `--steps` more steps (it is started with that step as its
+`max_steps`: it trains, checkpoints and syncs it and reads no more, so the summary's steps are
+the checkpoint's and the stop trains nothing beyond them).
 
 A run directory that already holds a checkpoint is resumed: the trainer continues from it and
 the stream in its Redis data; `riptide up` says which of the two it does. A config in the
