@@ -32,6 +32,7 @@ import json
 import random
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.events import iter_events
+from services.common.progress import StepProgress
 from services.local_stack import MAX_STALENESS
 from services.testing.fault_stack import FaultStack
 
@@ -90,13 +92,16 @@ class Sampler:
     """Per-second samples: the trainer's staleness and every process's RSS (per pid, from a
     baseline taken `warmup_s` after that pid reported ready)."""
 
-    def __init__(self, stack: FaultStack, warmup_s: float) -> None:
+    def __init__(self, stack: FaultStack, warmup_s: float, progress: StepProgress) -> None:
         self.stack = stack
         self.warmup_s = warmup_s
+        self.progress = progress
         self.staleness_max = 0
         self.rss: dict[str, dict[int, Incarnation]] = {p: {} for p in PROCESSES}
 
     def sample(self) -> None:
+        for line in self.progress.poll():  # the line `riptide up` prints for each step
+            print(line, file=sys.stderr, flush=True)
         last = self.stack.state("trainer").get("last_step") or {}
         self.staleness_max = max(self.staleness_max, int(last.get("staleness_max") or 0))
         now = time.monotonic()
@@ -207,10 +212,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     total_s = args.minutes * 60
     started = time.monotonic()
+    progress = StepProgress(stack.config.redis.url, stack.run)
     stack.start()
     try:
         stack.wait_steps(1, 300)
-        sampler = Sampler(stack, args.warmup_s)
+        sampler = Sampler(stack, args.warmup_s, progress)
         baseline_s = total_s * args.baseline_frac
         step0 = stack.step()
         _wait(stack, sampler, baseline_s)
@@ -244,6 +250,7 @@ def main() -> None:
         events = event_counts(stack)
     finally:
         stack.stop()
+        progress.close()
     worst = max((r for rs in recoveries.values() for r in rs), default=0.0)
     result = {
         "minutes": args.minutes, "seed": args.seed, "interval_s": round(interval, 1),

@@ -9,7 +9,6 @@ Called by the gRPC servicer (service.py); calls the provider, agent.py and verif
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -120,7 +119,7 @@ class EpisodeRunner:
             progress("verifier", run.num_turns if run else 0, f"no_verdict: {verdict.message}")
         timings.total_s = time.monotonic() - queued
         trajectory = _trajectory(task, request, run, verdict, timings)
-        self.events.publish_episode(episode_detail(trajectory, run, verdict, self._decode_one))
+        self.events.publish_episode(episode_detail(trajectory, run, verdict, self._decode))
         return trajectory
 
     async def _run_agent(self, task: Task, request: sandbox_pb2.RunEpisodeRequest,
@@ -146,10 +145,9 @@ class EpisodeRunner:
             log.exception("the agent of episode %s failed", request.sample_id)
             raise AgentError(f"{type(exc).__name__}: {exc}") from exc
 
-    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 - one runner per process, lives as long
-    def _decode_one(self, token: int) -> str:
-        """A token's text; cached, since episodes reuse few ids and decoding one costs ~10 us."""
-        return str(self.agent.tokenizer.decode([token], skip_special_tokens=False))
+    def _decode(self, ids: list[int]) -> str:
+        """The text of a run of token ids (one to four: episode_detail.token_texts)."""
+        return str(self.agent.tokenizer.decode(ids, skip_special_tokens=False))
 
     async def _acquire(self, task: Task, sample_id: str,
                        timings: common_pb2.EpisodeTimings) -> SandboxHandle:
