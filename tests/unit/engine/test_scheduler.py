@@ -33,8 +33,9 @@ def greedy(prompt: list[int], n: int) -> GenRequest:
     return GenRequest(input_ids=prompt, params=params)
 
 
-def test_joining_and_leaving_rows_keep_exact_greedy(model_path: Path) -> None:
-    engine = Engine(EngineConfig(model_path=str(model_path)))
+@pytest.mark.parametrize("backend", ["transformers", "slots"])
+def test_joining_and_leaving_rows_keep_exact_greedy(model_path: Path, backend: str) -> None:
+    engine = Engine(EngineConfig(model_path=str(model_path), decode_backend=backend))
     sched = engine.schedulers[0]
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     first = greedy([1, 2, 3, 4, 5, 6, 7, 8, 9], 20)
@@ -56,8 +57,10 @@ def test_joining_and_leaving_rows_keep_exact_greedy(model_path: Path) -> None:
     assert sched.batch.size == 0 and sched.num_used_tokens == 0
 
 
-def test_retract_then_resume_matches_uninterrupted(model_path: Path) -> None:
-    engine = Engine(EngineConfig(model_path=str(model_path), prefix_cache_num_tokens=0))
+@pytest.mark.parametrize("backend", ["transformers", "slots"])
+def test_retract_then_resume_matches_uninterrupted(model_path: Path, backend: str) -> None:
+    engine = Engine(EngineConfig(model_path=str(model_path), prefix_cache_num_tokens=0,
+                                 decode_backend=backend))
     sched = engine.schedulers[0]
     plain, interrupted = greedy([9, 8, 7], 15), greedy([9, 8, 7], 15)
     engine.submit(plain)
