@@ -74,6 +74,12 @@ def sample_filtered(
 ) -> torch.Tensor:
     """Inverse-CDF sampling from `probs` [R, V] restricted to each row's top-k and top-p set."""
     rows, vocab = probs.shape
+    if all(kk < 0 or kk >= vocab for kk in top_k) and all(pp >= 1.0 for pp in top_p):
+        # Nothing to filter: invert the CDF in vocabulary order (no sort of the whole vocab).
+        cdf = probs.cumsum(dim=-1)
+        cdf = cdf / cdf[:, -1:]
+        picked = torch.searchsorted(cdf, uniforms[:, None].to(cdf.dtype), right=True)
+        return picked.clamp(max=vocab - 1).squeeze(1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=probs.device)[None, :]
     k = torch.tensor([vocab if kk < 0 else min(kk, vocab) for kk in top_k], device=probs.device)

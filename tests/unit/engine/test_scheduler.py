@@ -75,3 +75,50 @@ def test_retract_then_resume_matches_uninterrupted(model_path: Path, backend: st
     while sched.step():
         pass
     assert interrupted.output_ids == plain.output_ids and interrupted.num_retractions == 1
+
+
+@pytest.mark.parametrize("backend", ["transformers", "slots"])
+def test_a_group_prefills_its_shared_prompt_once(model_path: Path, backend: str) -> None:
+    engine = Engine(EngineConfig(model_path=str(model_path), decode_backend=backend))
+    sched = engine.schedulers[0]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    prompt = [(5 * i) % 200 for i in range(40)]
+    group = [greedy(prompt, 8) for _ in range(4)]
+    other = greedy([7] * 30, 8)  # shares nothing: prefilled with the first
+    for req in [*group, other]:
+        engine.submit(req)
+    sched.step()
+    assert sched.running == [group[0], other]  # the rest wait for the prompt to be cached
+    while sched.step():
+        pass
+    assert [req.cached_tokens for req in group] == [0, 39, 39, 39]
+    want = reference_greedy(model, prompt, 8)
+    assert all(req.output_ids == want for req in group)
+    if backend == "slots":
+        assert sched.batch.kv.num_free == sched.batch.kv.num_slots  # every slot came back
+
+
+def test_long_prompts_prefill_in_pieces(model_path: Path, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    from services.engine import slot_batch
+
+    monkeypatch.setattr(slot_batch, "PIECE_TOKENS", 8)
+    monkeypatch.setattr(slot_batch, "CHUNK_CELLS", 600)  # at most a couple of rows a forward
+    engine = Engine(EngineConfig(model_path=str(model_path), decode_backend="slots",
+                                 prefix_cache_num_tokens=0))
+    sched = engine.schedulers[0]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    prompts = [[(3 * i + k) % 250 for i in range(n)] for k, n in enumerate((30, 5, 51))]
+    reqs = [greedy(p, 6) for p in prompts]
+    reqs[2].return_logprob, reqs[2].logprob_start_len = True, 0
+    for req in reqs:
+        engine.submit(req)
+    while sched.step():
+        pass
+    for req in reqs:
+        assert req.output_ids == reference_greedy(model, req.input_ids, 6)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[2]])).logits[0, :-1]
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompts[2][1:])[:, None])
+    got = torch.tensor(reqs[2].input_logprobs[1:])
+    torch.testing.assert_close(got, want.squeeze(1), rtol=1e-4, atol=1e-4)
