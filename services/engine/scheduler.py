@@ -9,7 +9,7 @@ from its one thread.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -170,16 +170,22 @@ class Scheduler:
             req.input_top_logprobs = tops[req.logprob_start_len :]
 
     def _decode(self) -> None:
-        last = [req.all_ids[-1] for req in self.running]
+        last = [(req.output_ids or req.input_ids)[-1] for req in self.running]
         logits = self.batch.decode(last)
         tokens, logprobs = sample_tokens(
             logits, [r.params for r in self.running], [r.generator for r in self.running]
         )
         tops = self._top_logprobs(logits, self.running)
+        now = time.perf_counter()
+        intervals: Counter[float] = Counter()  # rows of one step mostly share their interval
         for req, token, logprob, top in zip(
             self.running, tokens.tolist(), logprobs.tolist(), tops, strict=True
         ):
-            self._append(req, token, logprob, top)
+            if req.last_token_at is not None:
+                intervals[now - req.last_token_at] += 1
+            self._append(req, token, logprob, top, now)
+        for interval, count in intervals.items():
+            self.metrics.observe("itl", interval, count)
         self._release([i for i, req in enumerate(self.running) if req.finished])
 
     @staticmethod
@@ -196,13 +202,15 @@ class Scheduler:
                 for r, top in zip(reqs, tops, strict=True)]
 
     def _append(self, req: GenRequest, token: int, logprob: float,
-                top: list[tuple[float, int]] | None = None) -> None:
-        now = time.perf_counter()
+                top: list[tuple[float, int]] | None = None, now: float | None = None) -> None:
+        """Add one output token to `req` (decode observes the inter-token latency in bulk)."""
+        if now is None:
+            now = time.perf_counter()
+            if req.last_token_at is not None:
+                self.metrics.observe("itl", now - req.last_token_at)
         if req.first_token_at is None:
             req.first_token_at = now
             self.metrics.observe("ttft", now - req.created_at)
-        elif req.last_token_at is not None:
-            self.metrics.observe("itl", now - req.last_token_at)
         req.last_token_at = now
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
