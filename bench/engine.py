@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -72,10 +73,12 @@ def create_qwen2_shaped(path: Path) -> Path:
     config = Qwen2Config(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-        rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=151643,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True, eos_token_id=151643,
     )
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    model: Any = Qwen2ForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
 

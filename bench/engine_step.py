@@ -54,8 +54,8 @@ def measure(engine: Engine, batch: int, args: argparse.Namespace) -> dict[str, f
     gen = torch.Generator().manual_seed(batch)
     for _ in range(batch):
         prompt = torch.randint(0, 256, (args.prompt_len,), generator=gen).tolist()
-        params = SamplingParams(max_new_tokens=10_000, temperature=1.0, ignore_eos=True)
-        engine.submit(GenRequest(input_ids=prompt, params=params))
+        sampling = SamplingParams(max_new_tokens=10_000, temperature=1.0, ignore_eos=True)
+        engine.submit(GenRequest(input_ids=prompt, params=sampling))
     while sched.waiting:
         sched.step()
     step = timed(sched.step, args.device, args.steps)

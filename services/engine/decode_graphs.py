@@ -11,6 +11,7 @@ one memory pool; each step's logits are read before the next replay reuses it.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ class DecodeGraphs:
         self.inputs = torch.zeros((3, max_batch), dtype=torch.long, device=device)
         self.inputs[2] = model.kv.sink  # until a step writes real rows
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool: tuple[int, int] | None = None
+        self._pool: Any = None  # the first graph's memory pool, shared by the others
 
     @property
     def num_graphs(self) -> int:
