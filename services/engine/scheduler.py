@@ -72,8 +72,13 @@ class Scheduler:
         picked = self._pick()
         if not picked:
             return False
+        try:
+            prefilled = self._prefill(picked)
+        except BaseException:  # back in the queue, where the engine's abort finds them
+            self.waiting.extendleft(reversed(picked))
+            raise
         rows = []
-        for req, (pending, length) in zip(picked, self._prefill(picked), strict=True):
+        for req, (pending, length) in zip(picked, prefilled, strict=True):
             if req.finished:
                 self._finish(req, self.batch.pending_row(pending), length)
                 self.batch.discard(pending)
@@ -123,6 +128,18 @@ class Scheduler:
                 prefix_len, prefix = self.cache.match_prefix(tokens[:-1])
             jobs.append((tokens, prefix, input_logprobs, prefix_len))
         results = self.batch.prefill([(tokens, prefix, every) for tokens, prefix, every, _ in jobs])
+        try:
+            self._first_tokens(reqs, jobs, results)
+        except BaseException:  # the rows never join: give their KV back before the error rises
+            for _, pending in results:
+                self.batch.discard(pending)
+            raise
+        return [(pending, len(job[0])) for (_, pending), job in zip(results, jobs, strict=True)]
+
+    def _first_tokens(self, reqs: list[GenRequest], jobs: list[Any], results: list[Any]
+                      ) -> None:
+        """Prefill bookkeeping per request (metrics, input log-probs, prefix cache), then the
+        first output token of each, sampled together."""
         sampled = []
         for req, (tokens, _, input_logprobs, prefix_len), (logits, pending) in zip(
             reqs, jobs, results, strict=True
@@ -146,7 +163,6 @@ class Scheduler:
                 reqs_out, tokens_out.tolist(), logprobs.tolist(), tops, strict=True
             ):
                 self._append(req, token, logprob, top)
-        return [(pending, len(job[0])) for (_, pending), job in zip(results, jobs, strict=True)]
 
     def _record_prefill(self, req: GenRequest, prefix_len: int) -> None:
         if req.prefilled:

@@ -122,3 +122,29 @@ def test_long_prompts_prefill_in_pieces(model_path: Path, monkeypatch: pytest.Mo
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompts[2][1:])[:, None])
     got = torch.tensor(reqs[2].input_logprobs[1:])
     torch.testing.assert_close(got, want.squeeze(1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["transformers", "slots"])
+def test_a_failed_prefill_aborts_its_requests_and_frees_their_kv(
+    model_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.engine import scheduler
+
+    engine = Engine(EngineConfig(model_path=str(model_path), decode_backend=backend))
+    sched = engine.schedulers[0]
+    updates: list = []
+    reqs = [greedy([1, 2, 3 + i], 4) for i in range(3)]
+    for req in reqs:
+        req.emit = updates.append
+        engine.submit(req)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("sampler broke")
+
+    monkeypatch.setattr(scheduler, "sample_tokens", broken)
+    assert engine._step(sched) is False
+    assert [u.finish_reason["message"] for u in updates] == [
+        "engine error: RuntimeError: sampler broke"] * 3
+    assert not sched.waiting and not sched.running
+    if backend == "slots":
+        assert sched.batch.kv.num_free == sched.batch.kv.num_slots
