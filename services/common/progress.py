@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from services.common.config import RedisConfig
 from services.common.events import Event, EventTail
 
 if TYPE_CHECKING:
@@ -59,12 +60,12 @@ def step_line(step: Event, load: Event | None, eta_s: float | None = None) -> st
 class StepProgress:
     """Follows the events stream and yields a line for each new trainer step."""
 
-    def __init__(self, redis_url: str, run: str, target_step: int | None = None,
+    def __init__(self, redis: RedisConfig, run: str, target_step: int | None = None,
                  exporter: MetricsExporter | None = None) -> None:
         self._target = target_step
         self.exporter = exporter
         # Stream ids begin with their unix ms: steps of an earlier (resumed) run are skipped.
-        self._tail = EventTail(redis_url, run, since_id=f"{int(time.time() * 1000)}-0")
+        self._tail = EventTail(redis, run, since_id=f"{int(time.time() * 1000)}-0")
         self._load: Event | None = None
         self._first: tuple[float, int] | None = None  # (end, step) of the first step seen
 

@@ -67,7 +67,7 @@ class RolloutRuntime(ServiceRuntime):
         self._router_channel: grpc.aio.Channel | None = None  # made on the serving loop
         self.fleet = EngineFleet(config.fleet, self.engines, NoRouter(),
                                  config.weight_update.initial_weight_version, engine_api_key)
-        self.events = RolloutEvents(EventPublisher(redis.url, run_name, "rollout",
+        self.events = RolloutEvents(EventPublisher(redis, run_name, "rollout",
                                                    events or EventsConfig()))
         self.coordinator = WeightUpdateCoordinator(self.fleet, config.weight_update,
                                                    self._on_committed, self.events)
@@ -287,7 +287,7 @@ class RolloutRuntime(ServiceRuntime):
         from services.rollout.dashboard.routes import dashboard_router
         from services.rollout.dashboard.source import RedisSource
 
-        source = RedisSource(self._redis.url, self._run_name, self.config.dashboard.max_events)
+        source = RedisSource(self._redis, self._run_name, self.config.dashboard.max_events)
         self._dashboard_source = source
         return dashboard_router(source, self.config.dashboard)
 

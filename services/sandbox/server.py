@@ -60,6 +60,6 @@ def build_runtime(deployment_config: Any) -> ServiceRuntime:
     runner = EpisodeRunner(provider, TerminalAgent(model, chat, provider, config.agent), stats,
                            config.max_concurrent_episodes, config.max_concurrent_creates,
                            deployment_config.run.name, config.delete_timeout_s,
-                           EventPublisher(deployment_config.redis.url, deployment_config.run.name,
+                           EventPublisher(deployment_config.redis, deployment_config.run.name,
                                           "sandbox", deployment_config.run.events))
     return SandboxService(config, tasks, provider, model, runner, stats, scripts, script_maker)

@@ -50,9 +50,9 @@ class TrainerRuntime(ServiceRuntime):
         self.run_name = run_name
         self.grpc_token = grpc_token
         self.engine_api_key = engine_api_key  # weight_sync.mode = "direct" posts to engines
-        self.events = EventPublisher(redis.url, run_name, "trainer", events or EventsConfig())
+        self.events = EventPublisher(redis, run_name, "trainer", events or EventsConfig())
         self.stats = TrainerStats()
-        self.eval_follower = EvalFollower(redis.url, run_name, self.stats)
+        self.eval_follower = EvalFollower(redis, run_name, self.stats)
         self.loop: Any = None
         self.error: str | None = None
         self._stop = threading.Event()
