@@ -55,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("--appendfsync", default="everysec", choices=("always", "everysec"),
                     help="fsync of the append-only file: before each reply, or each second")
 
+    tls = sub.add_parser("tls-cert", help="make a private CA and a server certificate for a "
+                                          "cluster's TLS (Redis rediss://, gRPC)")
+    tls.add_argument("--out", required=True, type=Path,
+                     help="folder for ca.pem, ca-key.pem, server.pem, server-key.pem")
+    tls.add_argument("--host", required=True, action="append", metavar="NAME_OR_ADDRESS",
+                     help="a name or address clients dial (repeatable: every node)")
+    tls.add_argument("--days", type=int, default=365, help="validity of the certificates")
+
     status = sub.add_parser("status", help="print the state of a running stack")
     status.add_argument("--config", type=Path, default=DEFAULT_RUN_DIR / "config.toml")
     status.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -295,6 +303,16 @@ def _redis_at(url: str, username: str) -> RedisConfig:
                             "--redis")  # type: ignore[no-any-return]
 
 
+def _tls_cert(args: argparse.Namespace) -> int:
+    from services.common.tls_cert import make_cluster_certs
+
+    pair = make_cluster_certs(args.out, args.host, args.days)
+    print(f"CA {pair.ca_file} (clients trust it: redis.tls_ca_file, run.grpc_tls.ca_file)\n"
+          f"certificate {pair.cert_file} and key {pair.key_file} (mode 0600) for "
+          f"{', '.join(args.host)}: redis.tls_cert_file/tls_key_file, run.grpc_tls")
+    return 0
+
+
 def _redis_server(args: argparse.Namespace) -> int:
     """`riptide redis-server`: the deployment's Redis, as compose and Slurm steps run it."""
     import os
@@ -493,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"serve": _serve, "up": _up, "status": _status, "model": _model,
                 "eval": _eval, "sft": _sft, "events": _events, "dashboard": _dashboard,
-                "redis-server": _redis_server}
+                "redis-server": _redis_server, "tls-cert": _tls_cert}
     try:
         return handlers[args.command](args)
     except RiptideError as exc:
