@@ -83,6 +83,17 @@ class TrackingConfig(StrictModel):
         return self.tensorboard_dir is not None or self.wandb_project is not None
 
 
+class GrpcTlsConfig(StrictModel):
+    """TLS of every gRPC port: one certificate for the cluster's nodes and the CA its clients
+    verify it with (`riptide tls-cert` makes both)."""
+
+    cert_file: str = Field(min_length=1, description="PEM certificate every service serves "
+                                                     "(the nodes' names in subjectAltName)")
+    key_file: str = Field(min_length=1, description="PEM private key of cert_file (mode 0600)")
+    ca_file: str = Field(min_length=1, description="PEM CA certificate clients verify the "
+                                                   "services with")
+
+
 class RunConfig(StrictModel):
     """Deployment-wide settings."""
 
@@ -96,6 +107,8 @@ class RunConfig(StrictModel):
         "--api-key): the fleet starts its engines with it and the rollout, router and trainer "
         "send it; the router's HTTP front wants it of its clients, as sglang-router's --api-key;"
         " `riptide up` generates one")
+    grpc_tls: GrpcTlsConfig | None = Field(
+        None, description="TLS of the services' gRPC ports (None: plaintext, the token only)")
     admin_max_body_kb: int = Field(
         1024, ge=1, le=1 << 20, description="largest admin REST request body (413 above)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")

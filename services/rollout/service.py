@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from fastapi import APIRouter
 
-from services.common.config import EventsConfig, RedisConfig
+from services.common.config import EventsConfig, GrpcTlsConfig, RedisConfig
 from services.common.engine_client import EngineClient
 from services.common.errors import ConfigError, Unavailable
 from services.common.events import EventPublisher
@@ -57,8 +57,10 @@ class RolloutRuntime(ServiceRuntime):
 
     def __init__(self, config: RolloutConfig, redis: RedisConfig, run_name: str,
                  sandbox_address: str, router_address: str, grpc_token: str | None,
-                 events: EventsConfig | None = None, engine_api_key: str | None = None) -> None:
+                 events: EventsConfig | None = None, engine_api_key: str | None = None,
+                 grpc_tls: GrpcTlsConfig | None = None) -> None:
         super().__init__()
+        self._tls = grpc_tls
         self.config = config
         self.tunable = config.scheduler
         self._redis, self._run_name, self._token = redis, run_name, grpc_token
@@ -97,10 +99,10 @@ class RolloutRuntime(ServiceRuntime):
                 log.info("the run is at weight version %d: engines wait for the next update",
                          stored)
                 self.fleet.current_version = stored
-        self._router_channel = aio_channel(self._router_address, self._token)
+        self._router_channel = aio_channel(self._router_address, self._token, tls=self._tls)
         self.fleet.router = GrpcRouterLink(self._router_channel)
         await self.fleet.start()
-        self._sandbox_channel = aio_channel(self._sandbox_address, self._token)
+        self._sandbox_channel = aio_channel(self._sandbox_address, self._token, tls=self._tls)
         metrics.install(self.metrics_snapshot)
         if scoring:
             self._background = [asyncio.create_task(self._score())]

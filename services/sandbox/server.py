@@ -54,7 +54,7 @@ def build_runtime(deployment_config: Any) -> ServiceRuntime:
     else:
         address = config.router_address or deployment_config.router.grpc_address
         model = RouterModelClient(address, deployment_config.run.grpc_token,
-                                  config.generate_timeout_s)
+                                  config.generate_timeout_s, tls=deployment_config.run.grpc_tls)
     provider = make_provider(config.provider)
     stats = SandboxStats()
     runner = EpisodeRunner(provider, TerminalAgent(model, chat, provider, config.agent), stats,
