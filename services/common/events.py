@@ -153,7 +153,7 @@ class EventPublisher:
     @classmethod
     def disabled(cls, service: Service) -> EventPublisher:
         """A publisher that drops nothing and writes nothing (events off, or in tests)."""
-        return cls("redis://127.0.0.1:0/0", "", service, EventsConfig(enabled=False))
+        return cls(RedisConfig(), "", service, EventsConfig(enabled=False))
 
     def publish(self, kind: str, *, id: str = "", start: float | None = None,
                 end: float | None = None, weight_version: int | None = None,

@@ -86,12 +86,13 @@ def render_security(config: Any) -> str:
                if s.engine_program == "sglang" else "the built-in engine reads it from the file")
         lines.append(f"  engines :{s.engine_port} on {s.bind_host}  run.engine_api_key "
                      f"required ({how})")
+    channel = "over TLS (run.grpc_tls)" if config.run.grpc_tls else "in plaintext"
     for name in ("router", "sandbox", "rollout", "trainer"):
         section = getattr(config, name)
         if name == "trainer" and config.rollout.mode == "score":
             continue
         lines.append(f"  {name:<7} gRPC {section.listen_host}:{section.grpc_port} "
-                     f"run.grpc_token on every call but health checks; admin "
+                     f"{channel}, run.grpc_token on every call but health checks; admin "
                      f"{section.listen_host}:{section.admin_port} run.admin_token on /admin/ "
                      f"(/healthz, /readyz, /metrics open)")
     if config.rollout.mode != "score":
