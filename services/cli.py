@@ -267,9 +267,9 @@ def _dashboard(args: argparse.Namespace) -> int:
 def _events(args: argparse.Namespace) -> int:
     import redis
 
-    from services.common.errors import ConfigError, Unavailable
+    from services.common.errors import ConfigError
     from services.common.events import export_events
-    from services.common.redis_connect import connect
+    from services.common.redis_connect import connect, redis_failure
 
     if args.redis is not None and args.run is None:
         raise ConfigError("riptide events export --redis needs --run (the [run] name)")
@@ -278,12 +278,12 @@ def _events(args: argparse.Namespace) -> int:
     if args.events is not None:
         raise ConfigError("--events is a saved JSONL export already; it converts to "
                           "--format tensorboard or wandb")
-    client = connect(_redis_at(args.redis, args.redis_user), socket_connect_timeout=5.0,
-                     socket_timeout=30.0)
+    source = _redis_at(args.redis, args.redis_user)
+    client = connect(source, socket_connect_timeout=5.0, socket_timeout=30.0)
     try:
         num_events, num_episodes = export_events(client, args.run, args.out)
     except redis.RedisError as exc:
-        raise Unavailable(f"cannot read the events of run {args.run!r} from Redis: {exc}") from None
+        raise redis_failure(exc, source, f"read the events of run {args.run!r}") from None
     finally:
         client.close()
     print(f"wrote {num_events} events and {num_episodes} episodes of run {args.run} "
@@ -344,9 +344,9 @@ def _export_metrics(args: argparse.Namespace) -> int:
     """`riptide events export --format tensorboard|wandb`: a finished run's metrics."""
     import redis
 
-    from services.common.errors import InvalidRequest, Unavailable
+    from services.common.errors import InvalidRequest
     from services.common.events import iter_events, load_events
-    from services.common.redis_connect import connect
+    from services.common.redis_connect import connect, redis_failure
     from services.common.tracking.exporter import MetricsExporter
     from services.common.tracking.sinks import ScalarSink, TensorBoardSink, WandbSink
 
@@ -361,13 +361,13 @@ def _export_metrics(args: argparse.Namespace) -> int:
         if events is not None:
             exporter.add_all(events)
         else:
-            client = connect(_redis_at(args.redis, args.redis_user),
-                             socket_connect_timeout=5.0, socket_timeout=30.0)
+            source = _redis_at(args.redis, args.redis_user)
+            client = connect(source, socket_connect_timeout=5.0, socket_timeout=30.0)
             try:
                 exporter.add_all(iter_events(client, args.run))
             except redis.RedisError as exc:
-                raise Unavailable(f"cannot read the events of run {args.run!r} from Redis: "
-                                  f"{exc}") from None
+                raise redis_failure(exc, source, f"read the events of run {args.run!r}"
+                                    ) from None
             finally:
                 client.close()
     finally:

@@ -14,6 +14,7 @@ import redis
 import redis.asyncio
 
 from services.common.config import RedisConfig
+from services.common.errors import RiptideError, Unauthenticated, Unavailable
 
 
 def redis_options(config: RedisConfig) -> dict[str, Any]:
@@ -34,6 +35,16 @@ def connect(config: RedisConfig, **options: Any) -> redis.Redis:
 def connect_async(config: RedisConfig, **options: Any) -> redis.asyncio.Redis:
     """An asyncio client of the configured Redis (connects on first use)."""
     return redis.asyncio.Redis.from_url(config.url, **redis_options(config), **options)
+
+
+def redis_failure(exc: redis.RedisError, config: RedisConfig, doing: str) -> RiptideError:
+    """The error to raise for a failed Redis call: a refused login says how to provide the
+    password (retrying cannot help), anything else that Redis is unavailable."""
+    if isinstance(exc, redis.AuthenticationError):
+        return Unauthenticated(
+            f"cannot {doing}: Redis at {config.url} refused user {config.username!r} ({exc}); "
+            "give the deployment's password in RIPTIDE_REDIS_PASSWORD (or redis.password)")
+    return Unavailable(f"cannot {doing}: Redis at {config.url}: {exc}")
 
 
 def pings(config: RedisConfig, timeout_s: float = 0.5) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from services.common.config import EventsConfig, RedisConfig
 from services.common.events import (
     EventPublisher,
@@ -137,3 +139,24 @@ def test_an_event_tail_reads_every_page_once(redis_config: RedisConfig) -> None:
     assert [e.attrs["in_flight"] for e in tail.read()] == list(range(25))
     assert tail.read() == []
     tail.close()
+
+
+def test_events_export_logs_in_with_the_password_from_the_environment(
+    redis_config: RedisConfig, workdir: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from services.cli import main
+
+    publisher = EventPublisher(redis_config, "exported", "trainer", EventsConfig())
+    publisher.publish("trainer.step", attrs={"step": 1})
+    publisher.close()
+    out = workdir / "events.jsonl"
+    argv = ["events", "export", "--redis", redis_config.url, "--run", "exported",
+            "--out", str(out)]
+    monkeypatch.delenv("RIPTIDE_REDIS_PASSWORD", raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "refused user 'riptide'" in err and "RIPTIDE_REDIS_PASSWORD" in err
+    monkeypatch.setenv("RIPTIDE_REDIS_PASSWORD", str(redis_config.password))
+    assert main(argv) == 0
+    assert [e.kind for e in load_events(out)] == ["trainer.step"]
