@@ -112,7 +112,7 @@ mode = "off"
         _wait(lambda: len(_trained(ckpt_dir)[1]) >= 20, proc, 120, "all groups", log)
         state = httpx.get(f"http://127.0.0.1:{admin_port}/admin/state",
                           headers={"Authorization": f"Bearer {ADMIN}"}, timeout=5).json()
-        assert process.stop(proc) == 0
+        assert process.stop(proc) == 0, log.read_text()[-3000:]
     finally:
         process.stop(proc, grace_s=2)
     step, trained = _trained(ckpt_dir)
