@@ -159,7 +159,8 @@ def test_externally_launched_ranks_train_and_stop_together(
 
 
 def test_missing_launcher_variables_are_a_clear_error(workdir: Path) -> None:
-    config = _write_config(workdir, "redis://127.0.0.1:1/0", workdir / "no-model")
+    nowhere = RedisConfig(url="redis://127.0.0.1:1/0", password="never-used-password")
+    config = _write_config(workdir, nowhere, workdir / "no-model")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "SLURM_PROCID", "MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run(
