@@ -30,7 +30,7 @@ import redis
 
 from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group
 from services.common.buffer import SampleBuffer
-from services.common.config import RedisConfig
+from services.common.redis_connect import connect
 from services.testing.redis_server import RedisServer
 
 NUM_SAMPLES = 16
@@ -129,8 +129,8 @@ def main() -> None:
     starts = range(0, args.groups, args.batch)
 
     with RedisServer() as server:
-        buffer = SampleBuffer(RedisConfig(url=server.url, max_groups=1024), "bench")
-        client = redis.Redis.from_url(server.url)
+        buffer = SampleBuffer(server.config.model_copy(update={"max_groups": 1024}), "bench")
+        client = connect(server.config)
         client.xgroup_create(RAW_STREAM, "trainer", id="0", mkstream=True)
         ids = count()
         sides: dict[str, Callable[[int], None]] = {

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 
 from services.common import process
-from services.common.config import dump_config
+from services.common.config import RedisConfig, dump_config
 from services.common.events import episodes_key, events_key
+from services.common.redis_connect import connect
 from services.local_stack import ensure_tiny_model, local_config
 from services.testing.redis_server import RedisServer
 
@@ -42,13 +42,13 @@ SERVICES = ("router", "sandbox", "rollout")
 class Stack:
     """Router, sandbox and rollout of one run, as `riptide serve` children."""
 
-    def __init__(self, base: Path, name: str, redis_url: str, events: bool) -> None:
+    def __init__(self, base: Path, name: str, redis: RedisConfig, events: bool) -> None:
         self.name, self.events = name, events
         run_dir = base / name
         model = str(ensure_tiny_model(base))
         self.config = local_config(run_dir, {
             "run": {"name": name, "events": {"enabled": events}},
-            "redis": {"url": redis_url, "max_groups": 1_000_000},
+            "redis": {**redis.model_dump(exclude_none=True), "max_groups": 1_000_000},
             "rollout": {"scheduler": {"max_staleness": 1_000_000},
                         "fleet": {"model_path": model}},
             "sandbox": {"tokenizer_path": model},
@@ -127,8 +127,8 @@ def main() -> None:
     stacks: list[Stack] = []
     with RedisServer() as server:
         try:
-            stacks = [Stack(base, "events-on", server.url, True),
-                      Stack(base, "events-off", server.url, False)]
+            stacks = [Stack(base, "events-on", server.config, True),
+                      Stack(base, "events-off", server.config, False)]
             for stack in stacks:
                 stack.wait_ready(300.0)
                 stack.drain()
@@ -139,7 +139,7 @@ def main() -> None:
                 for stack in order:
                     rates["on" if stack.events else "off"].append(
                         window(stack, args.window_s, args.settle_s))
-            client = redis.Redis.from_url(server.url)
+            client = connect(server.config)
             written = {"events": client.xlen(events_key(on.name)),
                        "episodes": client.xlen(episodes_key(on.name)),
                        "events_when_off": client.xlen(events_key(off.name))}

@@ -231,7 +231,7 @@ def main() -> None:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     # The trainer stops itself after --steps; a stop at the budget lets it finish its step.
     stack = LocalStack(run_dir, path, say=say, max_steps=args.steps)
-    progress = StepProgress(config.redis.url, config.run.name, args.steps)
+    progress = StepProgress(config.redis, config.run.name, args.steps)
     trainer_rss_mb = 0.0
     try:
         stack.start(ready_timeout_s=900)

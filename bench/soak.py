@@ -212,7 +212,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     total_s = args.minutes * 60
     started = time.monotonic()
-    progress = StepProgress(stack.config.redis.url, stack.run)
+    progress = StepProgress(stack.config.redis, stack.run)
     stack.start()
     try:
         stack.wait_steps(1, 300)

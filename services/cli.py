@@ -12,8 +12,12 @@ import asyncio
 import importlib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.errors import RiptideError
+
+if TYPE_CHECKING:
+    from services.common.config import RedisConfig
 
 SERVICES = ("router", "rollout", "sandbox", "trainer")
 DEFAULT_RUN_DIR = Path(".riptide")
@@ -46,6 +50,25 @@ def _parser() -> argparse.ArgumentParser:
                          "summary shows each step's reward and a few episodes")
     up.add_argument("--model", type=Path, default=None,
                     help="--demo: this Hugging Face model folder instead of SmolLM2-135M")
+
+    rs = sub.add_parser("redis-server", help="run the deployment's Redis: writes a private "
+                                             "redis.conf (ACL user and password from the "
+                                             "config) into --dir, then execs redis-server")
+    rs.add_argument("--config", required=True, type=Path, help="deployment TOML file")
+    rs.add_argument("--bind", required=True, action="append", metavar="ADDRESS",
+                    help="address to listen on (repeatable)")
+    rs.add_argument("--dir", required=True, type=Path,
+                    help="Redis's data folder (append-only file and redis.conf)")
+    rs.add_argument("--appendfsync", default="everysec", choices=("always", "everysec"),
+                    help="fsync of the append-only file: before each reply, or each second")
+
+    tls = sub.add_parser("tls-cert", help="make a private CA and a server certificate for a "
+                                          "cluster's TLS (Redis rediss://, gRPC)")
+    tls.add_argument("--out", required=True, type=Path,
+                     help="folder for ca.pem, ca-key.pem, server.pem, server-key.pem")
+    tls.add_argument("--host", required=True, action="append", metavar="NAME_OR_ADDRESS",
+                     help="a name or address clients dial (repeatable: every node)")
+    tls.add_argument("--days", type=int, default=365, help="validity of the certificates")
 
     status = sub.add_parser("status", help="print the state of a running stack")
     status.add_argument("--config", type=Path, default=DEFAULT_RUN_DIR / "config.toml")
@@ -128,7 +151,9 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--events", type=Path, default=None,
                         help="a JSONL export of the run's events streams")
     source.add_argument("--redis", default=None, metavar="URL",
-                        help="read the run's events streams from this Redis")
+                        help="read the run's events streams from this Redis (user "
+                             "--redis-user, password from RIPTIDE_REDIS_PASSWORD)")
+    dash.add_argument("--redis-user", default="riptide", help="ACL user of --redis")
     dash.add_argument("--run", default=None, help="run name (with --redis; default: the "
                                                   "config's, else local)")
     dash.add_argument("--config", type=Path, default=None,
@@ -147,7 +172,9 @@ def _parser() -> argparse.ArgumentParser:
                              "`tracking` extra)")
     export_source = export.add_mutually_exclusive_group(required=True)
     export_source.add_argument("--redis", default=None, metavar="URL",
-                               help="redis:// URL of the run's Redis")
+                               help="redis:// URL of the run's Redis (user --redis-user, "
+                                    "password from RIPTIDE_REDIS_PASSWORD)")
+    export.add_argument("--redis-user", default="riptide", help="ACL user of --redis")
     export_source.add_argument("--events", type=Path, default=None,
                                help="a saved JSONL export (--format tensorboard or wandb)")
     export.add_argument("--run", default=None,
@@ -272,9 +299,9 @@ def _dashboard(args: argparse.Namespace) -> int:
         source = FileSource(args.events, config.max_events)  # a bad file fails here, at once
     elif args.redis is not None:
         run = args.run or (deployment.run.name if deployment is not None else "local")
-        source = RedisSource(args.redis, run, config.max_events)
+        source = RedisSource(_redis_at(args.redis, args.redis_user), run, config.max_events)
     elif deployment is not None:
-        source = RedisSource(deployment.redis.url, args.run or deployment.run.name,
+        source = RedisSource(deployment.redis, args.run or deployment.run.name,
                              config.max_events)
     else:
         raise ConfigError("riptide dashboard needs --events FILE, --redis URL or --config FILE")
@@ -286,8 +313,9 @@ def _dashboard(args: argparse.Namespace) -> int:
 def _events(args: argparse.Namespace) -> int:
     import redis
 
-    from services.common.errors import ConfigError, Unavailable
+    from services.common.errors import ConfigError
     from services.common.events import export_events
+    from services.common.redis_connect import connect, redis_failure
 
     if args.redis is not None and args.run is None:
         raise ConfigError("riptide events export --redis needs --run (the [run] name)")
@@ -296,11 +324,12 @@ def _events(args: argparse.Namespace) -> int:
     if args.events is not None:
         raise ConfigError("--events is a saved JSONL export already; it converts to "
                           "--format tensorboard or wandb")
-    client = redis.Redis.from_url(args.redis, socket_connect_timeout=5.0, socket_timeout=30.0)
+    source = _redis_at(args.redis, args.redis_user)
+    client = connect(source, socket_connect_timeout=5.0, socket_timeout=30.0)
     try:
         num_events, num_episodes = export_events(client, args.run, args.out)
     except redis.RedisError as exc:
-        raise Unavailable(f"cannot read the events of run {args.run!r} from Redis: {exc}") from None
+        raise redis_failure(exc, source, f"read the events of run {args.run!r}") from None
     finally:
         client.close()
     print(f"wrote {num_events} events and {num_episodes} episodes of run {args.run} "
@@ -308,12 +337,62 @@ def _events(args: argparse.Namespace) -> int:
     return 0 if num_events or num_episodes else 1
 
 
+def _redis_at(url: str, username: str) -> RedisConfig:
+    """A Redis named on the command line: its password from RIPTIDE_REDIS_PASSWORD (never an
+    argument: every local user can read those)."""
+    import os
+
+    from services.common.config import RedisConfig, validate_section
+
+    return validate_section(RedisConfig, {"url": url, "username": username,
+                                          "password": os.environ.get("RIPTIDE_REDIS_PASSWORD")},
+                            "--redis")  # type: ignore[no-any-return]
+
+
+def _tls_cert(args: argparse.Namespace) -> int:
+    from services.common.tls_cert import make_cluster_certs
+
+    pair = make_cluster_certs(args.out, args.host, args.days)
+    print(f"CA {pair.ca_file} (clients trust it: redis.tls_ca_file, run.grpc_tls.ca_file)\n"
+          f"certificate {pair.cert_file} and key {pair.key_file} (mode 0600) for "
+          f"{', '.join(args.host)}: redis.tls_cert_file/tls_key_file, run.grpc_tls")
+    return 0
+
+
+def _redis_server(args: argparse.Namespace) -> int:
+    """`riptide redis-server`: the deployment's Redis, as compose and Slurm steps run it."""
+    import os
+    import shutil
+
+    from services.common.errors import Unavailable
+    from services.common.redis_server_config import (
+        CONFIG_NAME,
+        describe_server,
+        server_config,
+        write_server_config,
+    )
+    from services.deployment import load_config
+
+    config = load_config(args.config).redis
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise Unavailable("redis-server is not on PATH")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    path = write_server_config(args.dir / CONFIG_NAME, server_config(
+        config, args.bind, args.dir.resolve(), args.appendfsync))
+    print(f"riptide redis-server: {describe_server(config, args.bind)}; port {config.port}",
+          flush=True)
+    os.execv(binary, [binary, str(path)])
+    return 0  # not reached: exec replaced this process
+
+
 def _export_metrics(args: argparse.Namespace) -> int:
     """`riptide events export --format tensorboard|wandb`: a finished run's metrics."""
     import redis
 
-    from services.common.errors import InvalidRequest, Unavailable
+    from services.common.errors import InvalidRequest
     from services.common.events import iter_events, load_events
+    from services.common.redis_connect import connect, redis_failure
     from services.common.tracking.exporter import MetricsExporter
     from services.common.tracking.sinks import ScalarSink, TensorBoardSink, WandbSink
 
@@ -328,13 +407,13 @@ def _export_metrics(args: argparse.Namespace) -> int:
         if events is not None:
             exporter.add_all(events)
         else:
-            client = redis.Redis.from_url(args.redis, socket_connect_timeout=5.0,
-                                          socket_timeout=30.0)
+            source = _redis_at(args.redis, args.redis_user)
+            client = connect(source, socket_connect_timeout=5.0, socket_timeout=30.0)
             try:
                 exporter.add_all(iter_events(client, args.run))
             except redis.RedisError as exc:
-                raise Unavailable(f"cannot read the events of run {args.run!r} from Redis: "
-                                  f"{exc}") from None
+                raise redis_failure(exc, source, f"read the events of run {args.run!r}"
+                                    ) from None
             finally:
                 client.close()
     finally:
@@ -428,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"serve": _serve, "up": _up, "status": _status, "model": _model,
                 "eval": _eval, "tasks": _tasks, "sft": _sft, "events": _events,
-                "dashboard": _dashboard}
+                "dashboard": _dashboard, "redis-server": _redis_server, "tls-cert": _tls_cert}
     try:
         return handlers[args.command](args)
     except RiptideError as exc:

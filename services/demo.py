@@ -16,9 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from services.common.events import read_episodes, read_events
+from services.common.redis_connect import connect
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: The demo's tasks: one-command file tasks of the starter set that a 135M model can solve.
@@ -66,8 +65,7 @@ def demo_model(model: Path | None) -> Path:
 
 def demo_summary(config: Any) -> str:
     """Each trained step's reward and success, then a few episodes shown as a transcript."""
-    client = redis.Redis.from_url(config.redis.url, socket_connect_timeout=2.0,
-                                  socket_timeout=30.0)
+    client = connect(config.redis, socket_connect_timeout=2.0, socket_timeout=30.0)
     try:
         events = [e for _, e in read_events(client, config.run.name, count=100_000)]
         episodes = [d for _, d in read_episodes(client, config.run.name, count=10_000)]

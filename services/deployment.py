@@ -77,17 +77,30 @@ def check_sampling_temperature(config: Any, source: str = "config") -> None:
             f"leave trainer.sampling_temperature out: it follows the rollout's)")
 
 
-#: Environment variables that set the run's secrets, so they never need a command line
+#: Environment variables that set the deployment's secrets, so they never need a command line
 #: (which every local user can read in /proc); they win over the file and --set.
-SECRET_ENV = {"RIPTIDE_ADMIN_TOKEN": "admin_token", "RIPTIDE_GRPC_TOKEN": "grpc_token",
-              "RIPTIDE_ENGINE_API_KEY": "engine_api_key"}
+SECRET_ENV = {"RIPTIDE_ADMIN_TOKEN": ("run", "admin_token"),
+              "RIPTIDE_GRPC_TOKEN": ("run", "grpc_token"),
+              "RIPTIDE_ENGINE_API_KEY": ("run", "engine_api_key"),
+              "RIPTIDE_REDIS_PASSWORD": ("redis", "password")}
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Any:
     """Read a deployment TOML file, apply `section.key=value` overrides and the secrets from
     the environment (SECRET_ENV), validate."""
     data = read_config_file(path, overrides)
-    for variable, key in SECRET_ENV.items():
+    for variable, (section, key) in SECRET_ENV.items():
         if os.environ.get(variable):
-            data.setdefault("run", {})[key] = os.environ[variable]
+            data.setdefault(section, {})[key] = os.environ[variable]
     return validate_config(data, str(path))
+
+
+def secrets_of(config: Any) -> dict[str, str]:
+    """The deployment's secrets that are set, by name (`redis password`, `admin token`, ...),
+    to mask them wherever a config or a command is shown."""
+    found = {}
+    for section, key in SECRET_ENV.values():
+        value = getattr(getattr(config, section), key)
+        if value:
+            found[f"{section} {key}".replace("run ", "").replace("_", " ")] = value
+    return found

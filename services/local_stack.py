@@ -33,10 +33,17 @@ import httpx
 
 from services.common import process
 from services.common.checkpoint_steps import latest_checkpoint_step
-from services.common.config import deep_merge, dump_config
+from services.common.config import RedisConfig, deep_merge, dump_config
 from services.common.errors import ConfigError, RiptideError, Unavailable
 from services.common.ports import free_ports
 from services.common.progress import StepProgress
+from services.common.redis_connect import connect, pings
+from services.common.redis_server_config import (
+    CONFIG_NAME,
+    describe_server,
+    server_config,
+    write_server_config,
+)
 from services.common.supervision import GaveUp, Supervisor
 from services.deployment import load_config, validate_config
 from services.rollout.dashboard.config import dashboard_url
@@ -54,12 +61,14 @@ TRAINER_STOP_GRACE_S = 180.0
 SCORE_ORDER = ("router", "sandbox", "rollout")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_STALENESS = 4
+LOOPBACK = "127.0.0.1"
 
 
 def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Any:
-    """A deployment config for one machine: loopback, free ports, fresh admin and gRPC tokens
-    and engine API key (the file is the only place they are written: children read them from
-    it, not argv; the fleet hands the key to its engines in their environment).
+    """A deployment config for one machine: loopback, free ports, fresh admin and gRPC tokens,
+    engine API key and Redis password (the file is the only place they are written: children
+    read them from it, not argv; the fleet hands the key to its engines in their environment,
+    Redis gets the password's hash in its private redis.conf).
 
     `overrides` are merged at every depth (`{"trainer": {"model": {"hf_path": ...}}}` keeps
     the model's dtype); the trainer's sampling temperature follows the rollout's (deployment
@@ -69,7 +78,8 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
         "run": {"name": "local", "admin_token": secrets.token_urlsafe(24),
                 "grpc_token": secrets.token_urlsafe(24),
                 "engine_api_key": secrets.token_urlsafe(24), "log_format": "json"},
-        "redis": {"url": f"redis://127.0.0.1:{next(ports)}/0"},
+        "redis": {"url": f"redis://127.0.0.1:{next(ports)}/0",
+                  "password": secrets.token_urlsafe(32)},
     }
     for name in SERVICE_ORDER:
         data[name] = {"host": "127.0.0.1", "grpc_port": next(ports), "admin_port": next(ports)}
@@ -193,9 +203,6 @@ class LocalStack:
     def _log(self, name: str) -> Path:
         return self.run_dir / "logs" / f"{name}.log"
 
-    def redis_port(self) -> int:
-        return int(self.config.redis.url.rsplit(":", 1)[1].split("/")[0])
-
     def _start_redis(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -203,19 +210,19 @@ class LocalStack:
                 "redis-server is not on PATH. Install it (Debian/Ubuntu: "
                 "`sudo apt-get install -y redis-server`; macOS: `brew install redis`) "
                 "or run `make demo`, which installs it when run as root.")
-        port = self.redis_port()
-        data_dir = self.run_dir / "redis"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = redis_command(binary, port, data_dir)
+        redis_config = self.config.redis
+        cmd = redis_command(binary, redis_config, self.run_dir / "redis")
         self.supervisor.add("redis", lambda: process.spawn(cmd, log_path=self._log("redis")))
         deadline = time.monotonic() + 30.0
-        while not _redis_pings(port):
+        while not pings(redis_config):
             proc = self.supervisor.proc("redis")
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RiptideError(f"redis did not start (exit code {proc.returncode}); "
                                    f"last log lines:\n{self.log_tail('redis')}")
             time.sleep(0.2)
-        self.say(f"[up] redis      ready  127.0.0.1:{port}")
+        self.say(f"[up] redis      ready  {redis_config.host}:{redis_config.port}  "
+                 f"{describe_server(redis_config, [LOOPBACK])}; clients log in with "
+                 f"[redis] username and password of {self.config_path}")
 
     def _probe_ready(self, name: str) -> bool:
         section = getattr(self.config, name)
@@ -267,8 +274,7 @@ class LocalStack:
         from services.common.events import export_events
 
         path = self.run_dir / "events.jsonl"
-        client = redis.Redis.from_url(self.config.redis.url, socket_connect_timeout=2.0,
-                                      socket_timeout=30.0)
+        client = connect(self.config.redis, socket_connect_timeout=2.0, socket_timeout=30.0)
         try:
             num_events, num_episodes = export_events(client, self.config.run.name, path)
         except redis.RedisError as exc:
@@ -286,12 +292,12 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def redis_command(binary: str, port: int, data_dir: Path) -> list[str]:
-    """The stack's redis-server: loopback, append-only, and an fsync of the log before each
-    reply, so a SIGKILL (or a host crash) loses no write Redis acknowledged."""
-    return [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
-            "--save", "", "--appendonly", "yes", "--appendfsync", "always",
-            "--protected-mode", "yes"]
+def redis_command(binary: str, config: RedisConfig, data_dir: Path) -> list[str]:
+    """The stack's redis-server: loopback, the deployment's ACL user and password (from a
+    private redis.conf in `data_dir`, written here), append-only, and an fsync of the log
+    before each reply, so a SIGKILL (or a host crash) loses no write Redis acknowledged."""
+    text = server_config(config, [LOOPBACK], data_dir.resolve(), appendfsync="always")
+    return [binary, str(write_server_config(data_dir / CONFIG_NAME, text))]
 
 
 def _reported_error(admin_url: str, token: str) -> str | None:
@@ -304,15 +310,6 @@ def _reported_error(admin_url: str, token: str) -> str | None:
         return None
     error = details.get("error") if isinstance(details, dict) else None
     return str(error) if error else None
-
-
-def _redis_pings(port: int) -> bool:
-    import redis
-
-    try:
-        return bool(redis.Redis(port=port, socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
 
 
 def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
@@ -348,7 +345,7 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         target = None if steps is None else resumed_step + steps
         stack.max_steps = target
         if stack.config.run.events.enabled:
-            progress = StepProgress(stack.config.redis.url, stack.config.run.name, target,
+            progress = StepProgress(stack.config.redis, stack.config.run.name, target,
                                     _exporter(stack))
         stack.start()
         print("[up] all services ready; `riptide status --config "

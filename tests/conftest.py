@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
+from services.common.config import RedisConfig
+from services.common.redis_connect import connect
 from services.testing.redis_server import RedisServer
 
 
@@ -30,11 +31,11 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
-    """The session's Redis URL, emptied (FLUSHALL) before each test."""
-    with redis.Redis.from_url(redis_server.url) as client:
+def redis_config(redis_server: RedisServer) -> RedisConfig:
+    """The session's Redis (URL, user and password), emptied (FLUSHALL) before each test."""
+    with connect(redis_server.config) as client:
         client.flushall()
-    return redis_server.url
+    return redis_server.config
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

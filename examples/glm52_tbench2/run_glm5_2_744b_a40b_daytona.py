@@ -299,8 +299,11 @@ def deployment(args: argparse.Namespace, nodes: list[str], admin_token: str) -> 
     config: dict[str, Any] = {
         "run": {"name": "glm52-tbench2-smoke" if args.smoke else "glm52-tbench2",
                 "admin_token": admin_token, "grpc_token": secrets.token_urlsafe(24),
-                "log_format": "json"},
-        "redis": {"url": f"redis://{head}:{ports['redis']}/0", "max_groups": 64},
+                "engine_api_key": secrets.token_urlsafe(24), "log_format": "json"},
+        # The ACL user's password: written only to the 0600 deployment file (Redis gets its
+        # hash in a 0600 redis.conf), never on a command line.
+        "redis": {"url": f"redis://{head}:{ports['redis']}/0", "max_groups": 64,
+                  "password": secrets.token_urlsafe(32)},
         "router": {**service("router"), "policy": "sticky_min_load",
                    "session_idle_s": 1000.0},  # longer than the longest command (900 s)
         "sandbox": {**service("sandbox"), "tasks_dir": str(args.tasks_dir),
@@ -352,6 +355,7 @@ def deployment(args: argparse.Namespace, nodes: list[str], admin_token: str) -> 
                   "engine_port": ports["engine"], "engine_dist_port": ports["engine_dist"],
                   "trainer_master_port": ports["trainer_master"], "bind_host": bind,
                   "redis_dir": str(out / "redis"), "log_dir": str(out / "logs"),
+                  "secrets_dir": str(out / "secrets"),
                   "srun_args": list(args.srun_arg),
                   "sandbox_env_files": {"DAYTONA_API_KEY": str(args.daytona_key_file)}},
     }
@@ -446,11 +450,12 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
 
 def plan_text(config: Any, config_path: Path, hf: dict[str, Any], source: str,
               args: argparse.Namespace) -> str:
-    from services.slurm.plan import render_config, render_memory, render_steps
+    from services.slurm.plan import render_config, render_memory, render_security, render_steps
 
     nodes = set(config.slurm.trainer_nodes) | set(config.slurm.engine_nodes)
     lines = [f"# Plan: {config.run.name}, {len(nodes | {config.slurm.head_node})} nodes",
-             render_steps(config, config_path), "", render_config(config), "",
+             render_steps(config, config_path), "", render_security(config), "",
+             render_config(config), "",
              f"model shape: {source}",
              render_memory(config, hf, args.gpu_memory_gb, 1.0 if not args.smoke else 4.0), "",
              *eval_plan(config, args), "",

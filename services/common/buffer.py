@@ -39,7 +39,8 @@ from redis.retry import Retry
 
 from services._proto.riptide.v1.common_pb2 import Group
 from services.common.config import RedisConfig
-from services.common.errors import Backpressure, InvalidRequest, Unavailable
+from services.common.errors import Backpressure, InvalidRequest, Unauthenticated, Unavailable
+from services.common.redis_connect import connect, connect_async
 
 CONSUMER_GROUP = "trainer"
 DEDUP_TTL_S = 24 * 3600  # producer retries come within minutes; markers cost ~100 B each
@@ -154,6 +155,11 @@ class _BufferBase:
     def _guard(self) -> Iterator[None]:
         try:
             yield
+        except redis.AuthenticationError as exc:  # NOAUTH, WRONGPASS: retrying cannot help
+            raise Unauthenticated(
+                f"Redis at {self._url} refused user {self.config.username!r} ({exc}): set "
+                "redis.password (or RIPTIDE_REDIS_PASSWORD) to the deployment's password"
+            ) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise Unavailable(
                 f"cannot reach Redis at {self._url} ({exc}); start it with `redis-server` "
@@ -196,7 +202,7 @@ class SampleBuffer(_BufferBase):
     def __init__(self, config: RedisConfig, run: str, dedup_ttl_s: int = DEDUP_TTL_S) -> None:
         super().__init__(config, run, dedup_ttl_s)
         retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
-        self._client = redis.Redis.from_url(config.url, retry=retry, **self._client_options())
+        self._client = connect(config, retry=retry, **self._client_options())
         with self._guard():
             try:
                 self._client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
@@ -309,9 +315,7 @@ class AsyncSampleBuffer(_BufferBase):
     def __init__(self, config: RedisConfig, run: str, dedup_ttl_s: int = DEDUP_TTL_S) -> None:
         super().__init__(config, run, dedup_ttl_s)
         retry = AsyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
-        self._client = redis.asyncio.Redis.from_url(
-            config.url, retry=retry, **self._client_options()
-        )
+        self._client = connect_async(config, retry=retry, **self._client_options())
 
     @classmethod
     async def connect(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -82,6 +83,17 @@ class TrackingConfig(StrictModel):
         return self.tensorboard_dir is not None or self.wandb_project is not None
 
 
+class GrpcTlsConfig(StrictModel):
+    """TLS of every gRPC port: one certificate for the cluster's nodes and the CA its clients
+    verify it with (`riptide tls-cert` makes both)."""
+
+    cert_file: str = Field(min_length=1, description="PEM certificate every service serves "
+                                                     "(the nodes' names in subjectAltName)")
+    key_file: str = Field(min_length=1, description="PEM private key of cert_file (mode 0600)")
+    ca_file: str = Field(min_length=1, description="PEM CA certificate clients verify the "
+                                                   "services with")
+
+
 class RunConfig(StrictModel):
     """Deployment-wide settings."""
 
@@ -95,6 +107,8 @@ class RunConfig(StrictModel):
         "--api-key): the fleet starts its engines with it and the rollout, router and trainer "
         "send it; the router's HTTP front wants it of its clients, as sglang-router's --api-key;"
         " `riptide up` generates one")
+    grpc_tls: GrpcTlsConfig | None = Field(
+        None, description="TLS of the services' gRPC ports (None: plaintext, the token only)")
     admin_max_body_kb: int = Field(
         1024, ge=1, le=1 << 20, description="largest admin REST request body (413 above)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")
@@ -114,11 +128,61 @@ class RunConfig(StrictModel):
 
 
 class RedisConfig(StrictModel):
-    """The sample buffer between generation and training."""
+    """The sample buffer between generation and training, and how every client reaches it:
+    an ACL user and its password (the deployment's secret), optionally over TLS."""
 
-    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// URL of the buffer")
+    url: str = Field("redis://127.0.0.1:6379/0",
+                     description="redis:// (or rediss://, TLS) URL of the buffer, without "
+                                 "credentials")
     max_groups: int = Field(1024, ge=1, description="stream capacity; producers wait when full")
     connect_timeout_s: float = Field(5.0, gt=0, description="fail fast when Redis is down")
+    username: str = Field("riptide", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                          description="ACL user every client logs in as")
+    password: str | None = Field(
+        None, min_length=16, max_length=512, pattern=r"^[!-~]+$", repr=False,
+        description="the ACL user's password (a secret: best set through "
+                    "RIPTIDE_REDIS_PASSWORD); `riptide up` generates one; required to start "
+                    "Redis")
+    tls_ca_file: str | None = Field(
+        None, min_length=1, description="rediss://: CA certificate file clients verify the "
+                                        "server with (None: the system's CAs)")
+    tls_cert_file: str | None = Field(
+        None, min_length=1, description="rediss://: certificate of the Redis Riptide starts")
+    tls_key_file: str | None = Field(
+        None, min_length=1, description="rediss://: private key of that certificate (mode 0600)")
+
+    @model_validator(mode="after")
+    def _check_url(self) -> RedisConfig:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            raise ValueError(f"url {self.url!r}: expected redis://host:port/db or "
+                             "rediss://host:port/db")
+        if parts.username or parts.password:
+            raise ValueError("url holds credentials: drop them from the URL and set "
+                             "redis.username, and redis.password (or RIPTIDE_REDIS_PASSWORD)")
+        tls_files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
+        if parts.scheme == "redis" and any(tls_files):
+            raise ValueError("redis.tls_* files are for TLS: use a rediss:// url, or unset them")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set redis.tls_cert_file and redis.tls_key_file together")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("rediss://")
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or 6379
+
+    def describe(self) -> str:
+        """What a client uses, for messages: the URL, the user, whether a password is set."""
+        login = f"user {self.username}, password set" if self.password else "no password"
+        return f"{self.url} ({login}{', TLS' if self.tls else ''})"
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -28,9 +28,10 @@ from typing import Any, Literal
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.common.config import EventsConfig
+from services.common.config import EventsConfig, RedisConfig
 from services.common.errors import InvalidRequest
 from services.common.metrics import counter
+from services.common.redis_connect import connect
 
 log = logging.getLogger(__name__)
 
@@ -145,13 +146,13 @@ _Item = tuple[str, str, Any]  # (stream key, field, dict or a callable building 
 class EventPublisher:
     """Publishes one service's events; `publish()` never blocks and never raises."""
 
-    def __init__(self, redis_url: str, run: str, service: Service, config: EventsConfig,
+    def __init__(self, redis: RedisConfig, run: str, service: Service, config: EventsConfig,
                  connect_timeout_s: float = 1.0, retry_after_s: float = 1.0) -> None:
         self.service = service
         self.config = config
         self.enabled = config.enabled
         self._events_key, self._episodes_key = events_key(run), episodes_key(run)
-        self._url = redis_url
+        self._redis = redis
         self._connect_timeout_s = connect_timeout_s
         self._retry_after_s = retry_after_s
         self._queue: deque[_Item] = deque()
@@ -164,7 +165,7 @@ class EventPublisher:
     @classmethod
     def disabled(cls, service: Service) -> EventPublisher:
         """A publisher that drops nothing and writes nothing (events off, or in tests)."""
-        return cls("redis://127.0.0.1:0/0", "", service, EventsConfig(enabled=False))
+        return cls(RedisConfig(), "", service, EventsConfig(enabled=False))
 
     def publish(self, kind: str, *, id: str = "", start: float | None = None,
                 end: float | None = None, weight_version: int | None = None,
@@ -224,8 +225,8 @@ class EventPublisher:
             thread.join(timeout_s)
 
     def _write_loop(self) -> None:
-        client = redis.Redis.from_url(
-            self._url, socket_connect_timeout=self._connect_timeout_s,
+        client = connect(
+            self._redis, socket_connect_timeout=self._connect_timeout_s,
             socket_timeout=max(self._connect_timeout_s, 5.0), protocol=2)
         failing = False
         while not (self._closing and not self._queue):
@@ -302,10 +303,9 @@ def read_events(client: redis.Redis, run: str, since_id: str = "0-0",
 class EventTail:
     """Follows one run's events stream: each `read()` returns the events after the last."""
 
-    def __init__(self, redis_url: str, run: str, since_id: str = "0-0",
+    def __init__(self, redis: RedisConfig, run: str, since_id: str = "0-0",
                  page: int = 1000) -> None:
-        self._client = redis.Redis.from_url(redis_url, socket_connect_timeout=1.0,
-                                            socket_timeout=5.0)
+        self._client = connect(redis, socket_connect_timeout=1.0, socket_timeout=5.0)
         self._run = run
         self._cursor = since_id
         self._page = page

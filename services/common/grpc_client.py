@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from services.common.config import GrpcTlsConfig
+from services.common.errors import ConfigError
 from services.common.grpc_server import TOKEN_METADATA_KEY
 
 _MB = 1024 * 1024
@@ -72,17 +75,39 @@ def _options(max_message_mb: int) -> list[tuple[str, int]]:
             ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
 
 
-def aio_channel(address: str, token: str | None = None,
-                max_message_mb: int = 256) -> grpc.aio.Channel:
-    """An asyncio channel to `address` (host:port) that sends `token` when one is set."""
-    channel = grpc.aio.insecure_channel(address, options=_options(max_message_mb))
+def channel_credentials(tls: GrpcTlsConfig) -> grpc.ChannelCredentials:
+    """TLS that trusts the deployment's CA only."""
+    return grpc.ssl_channel_credentials(root_certificates=read_pem(tls.ca_file, "ca_file"))
+
+
+def read_pem(path: str, key: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"run.grpc_tls.{key}: cannot read {path}: {exc.strerror}") from None
+
+
+def aio_channel(address: str, token: str | None = None, max_message_mb: int = 256,
+                tls: GrpcTlsConfig | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to `address` (host:port) that sends `token` when one is set, over
+    TLS when `tls` is given."""
+    if tls is None:
+        channel = grpc.aio.insecure_channel(address, options=_options(max_message_mb))
+    else:
+        channel = grpc.aio.secure_channel(address, channel_credentials(tls),
+                                          options=_options(max_message_mb))
     return _TokenChannel(channel, token) if token else channel
 
 
-def sync_channel(address: str, token: str | None = None,
-                 max_message_mb: int = 256) -> grpc.Channel:
-    """A blocking channel to `address` that sends `token` when one is set."""
-    channel = grpc.insecure_channel(address, options=_options(max_message_mb))
+def sync_channel(address: str, token: str | None = None, max_message_mb: int = 256,
+                 tls: GrpcTlsConfig | None = None) -> grpc.Channel:
+    """A blocking channel to `address` that sends `token` when one is set, over TLS when
+    `tls` is given."""
+    if tls is None:
+        channel = grpc.insecure_channel(address, options=_options(max_message_mb))
+    else:
+        channel = grpc.secure_channel(address, channel_credentials(tls),
+                                      options=_options(max_message_mb))
     if token:
         from services.common.grpc_server import call_metadata
 

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.config import GrpcTlsConfig
 from services.common.errors import RiptideError, Unavailable, quote
 from services.common.grpc_requests import decode, decode_stream
 
@@ -138,7 +139,7 @@ class GrpcServer:
     """A grpc.aio server with grpc.health.v1 and Riptide's guarded handlers."""
 
     def __init__(self, service_name: str, token: str | None = None,
-                 max_message_mb: int = 256) -> None:
+                 max_message_mb: int = 256, tls: GrpcTlsConfig | None = None) -> None:
         size = max_message_mb * 1024 * 1024
         self.server = grpc.aio.server(options=[("grpc.max_send_message_length", size),
                                                ("grpc.max_receive_message_length", size)])
@@ -148,10 +149,19 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
+        self.tls = tls
 
     async def start(self, host: str, port: int) -> int:
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            if self.tls is None:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
+            else:
+                from services.common.grpc_client import read_pem
+
+                pair = (read_pem(self.tls.key_file, "key_file"),
+                        read_pem(self.tls.cert_file, "cert_file"))
+                self.port = self.server.add_secure_port(
+                    f"{host}:{port}", grpc.ssl_server_credentials([pair]))
         except RuntimeError as exc:
             raise Unavailable(f"cannot listen for gRPC on {host}:{port}: {exc}") from None
         if self.port == 0:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from services.common.config import RedisConfig
 from services.common.events import Event, EventTail
 
 if TYPE_CHECKING:
@@ -73,12 +74,12 @@ class StepProgress:
     """Follows the events stream and yields a line for each new trainer step and each
     finished evaluation."""
 
-    def __init__(self, redis_url: str, run: str, target_step: int | None = None,
+    def __init__(self, redis: RedisConfig, run: str, target_step: int | None = None,
                  exporter: MetricsExporter | None = None) -> None:
         self._target = target_step
         self.exporter = exporter
         # Stream ids begin with their unix ms: steps of an earlier (resumed) run are skipped.
-        self._tail = EventTail(redis_url, run, since_id=f"{int(time.time() * 1000)}-0")
+        self._tail = EventTail(redis, run, since_id=f"{int(time.time() * 1000)}-0")
         self._load: Event | None = None
         self._first: tuple[float, int] | None = None  # (end, step) of the first step seen
 

@@ -56,7 +56,7 @@ async def serve(runtime: ServiceRuntime, section: ServiceConfig, run: Any,
 
     admin_socket = listen_socket(section.listen_host, section.admin_port)
     admin_port = admin_socket.getsockname()[1]
-    grpc_server = GrpcServer(runtime.name, token=run.grpc_token)
+    grpc_server = GrpcServer(runtime.name, token=run.grpc_token, tls=run.grpc_tls)
     runtime.add_to_grpc(grpc_server.registrar)
     try:
         grpc_port = await grpc_server.start(section.listen_host, section.grpc_port)

@@ -38,5 +38,6 @@ def build_runtime(deployment_config: Any) -> RolloutRuntime:
         sandbox_address=cfg.sandbox_address or deployment_config.sandbox.grpc_address,
         router_address=cfg.router_address or deployment_config.router.grpc_address,
         grpc_token=deployment_config.run.grpc_token, events=deployment_config.run.events,
+        grpc_tls=deployment_config.run.grpc_tls,
         engine_api_key=deployment_config.run.engine_api_key,
     )

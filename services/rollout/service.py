@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from fastapi import APIRouter
 
-from services.common.config import EventsConfig, RedisConfig
+from services.common.config import EventsConfig, GrpcTlsConfig, RedisConfig
 from services.common.engine_client import EngineClient
 from services.common.errors import ConfigError, Unavailable
 from services.common.events import EventPublisher
@@ -57,8 +57,10 @@ class RolloutRuntime(ServiceRuntime):
 
     def __init__(self, config: RolloutConfig, redis: RedisConfig, run_name: str,
                  sandbox_address: str, router_address: str, grpc_token: str | None,
-                 events: EventsConfig | None = None, engine_api_key: str | None = None) -> None:
+                 events: EventsConfig | None = None, engine_api_key: str | None = None,
+                 grpc_tls: GrpcTlsConfig | None = None) -> None:
         super().__init__()
+        self._tls = grpc_tls
         self.config = config
         self.tunable = config.scheduler
         self._redis, self._run_name, self._token = redis, run_name, grpc_token
@@ -67,7 +69,7 @@ class RolloutRuntime(ServiceRuntime):
         self._router_channel: grpc.aio.Channel | None = None  # made on the serving loop
         self.fleet = EngineFleet(config.fleet, self.engines, NoRouter(),
                                  config.weight_update.initial_weight_version, engine_api_key)
-        self.events = RolloutEvents(EventPublisher(redis.url, run_name, "rollout",
+        self.events = RolloutEvents(EventPublisher(redis, run_name, "rollout",
                                                    events or EventsConfig()))
         self.coordinator = WeightUpdateCoordinator(self.fleet, config.weight_update,
                                                    self._on_committed, self.events)
@@ -97,10 +99,10 @@ class RolloutRuntime(ServiceRuntime):
                 log.info("the run is at weight version %d: engines wait for the next update",
                          stored)
                 self.fleet.current_version = stored
-        self._router_channel = aio_channel(self._router_address, self._token)
+        self._router_channel = aio_channel(self._router_address, self._token, tls=self._tls)
         self.fleet.router = GrpcRouterLink(self._router_channel)
         await self.fleet.start()
-        self._sandbox_channel = aio_channel(self._sandbox_address, self._token)
+        self._sandbox_channel = aio_channel(self._sandbox_address, self._token, tls=self._tls)
         metrics.install(self.metrics_snapshot)
         if scoring:
             self._background = [asyncio.create_task(self._score())]
@@ -287,7 +289,7 @@ class RolloutRuntime(ServiceRuntime):
         from services.rollout.dashboard.routes import dashboard_router
         from services.rollout.dashboard.source import RedisSource
 
-        source = RedisSource(self._redis.url, self._run_name, self.config.dashboard.max_events)
+        source = RedisSource(self._redis, self._run_name, self.config.dashboard.max_events)
         self._dashboard_source = source
         return dashboard_router(source, self.config.dashboard)
 

@@ -72,9 +72,15 @@ def keyed_launch(config: FleetConfig, api_key: str | None, secrets_dir: Path,
     if not api_key:
         return [], None
     if config.kind == "sglang":
-        path = secrets_dir / f"engine-{index}.yaml"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(f"api-key: {json.dumps(api_key)}\n")  # a JSON string is YAML too
+        path = write_api_key_yaml(secrets_dir / f"engine-{index}.yaml", api_key)
         return ["--config", str(path)], None
     return [], {**os.environ, API_KEY_ENV: api_key}
+
+
+def write_api_key_yaml(path: Path, api_key: str) -> Path:
+    """SGLang's `--config` YAML that sets its --api-key, readable by this user only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(f"api-key: {json.dumps(api_key)}\n")  # a JSON string is YAML too
+    return path

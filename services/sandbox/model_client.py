@@ -20,6 +20,7 @@ from typing import Protocol
 import grpc
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.config import GrpcTlsConfig
 from services.common.errors import DeadlineExceeded, InvalidRequest, RiptideError, Unavailable
 from services.common.grpc_client import aio_channel
 from services.sandbox.chat_format import ChatFormat
@@ -66,8 +67,8 @@ class RouterModelClient:
     """`Router.Generate` over gRPC, with a few retries while the router is unavailable."""
 
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 600.0,
-                 num_retries: int = 3) -> None:
-        self._address, self._token = address, token
+                 num_retries: int = 3, tls: GrpcTlsConfig | None = None) -> None:
+        self._address, self._token, self._tls = address, token, tls
         self._channel: grpc.aio.Channel | None = None
         self._stub: router_pb2_grpc.RouterStub | None = None
         self._timeout_s = timeout_s
@@ -80,7 +81,7 @@ class RouterModelClient:
             session_key=session_key, input_ids=input_ids, sampling_params=sampling,
             return_logprob=True, request_id=f"{session_key}-{uuid.uuid4().hex[:8]}")
         if self._stub is None:  # made on first use: an aio channel belongs to its event loop
-            self._channel = aio_channel(self._address, self._token)
+            self._channel = aio_channel(self._address, self._token, tls=self._tls)
             self._stub = router_pb2_grpc.RouterStub(self._channel)
         for attempt in range(self._num_retries + 1):
             try:

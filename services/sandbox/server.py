@@ -71,13 +71,13 @@ def build_runtime(deployment_config: Any) -> ServiceRuntime:
     else:
         address = config.router_address or deployment_config.router.grpc_address
         model = RouterModelClient(address, deployment_config.run.grpc_token,
-                                  config.generate_timeout_s)
+                                  config.generate_timeout_s, tls=deployment_config.run.grpc_tls)
     provider = make_provider(config.provider)
     stats = SandboxStats()
     incarnation = new_incarnation()
     owner = Owner(deployment_config.run.name, instance_name(config, incarnation), incarnation)
     leases = Leases(provider, owner, config.lease_s, config.lease_create_grace_s)
-    events = EventPublisher(deployment_config.redis.url, deployment_config.run.name, "sandbox",
+    events = EventPublisher(deployment_config.redis, deployment_config.run.name, "sandbox",
                             deployment_config.run.events)
     gateway = None
     if config.gateway_enabled:

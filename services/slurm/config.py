@@ -28,8 +28,13 @@ class SlurmConfig(StrictModel):
     engine_dist_port: int = Field(
         30100, ge=1, le=65535, description="rendezvous port of an engine spanning nodes")
     bind_host: str = Field(
-        "0.0.0.0", description="interface Redis and the engines listen on")
-    redis_dir: str = Field("redis", description="Redis's append-only file lives here")
+        "0.0.0.0", description="interface Redis and the engines listen on (each wants a "
+                               "credential: Redis its password, engines run.engine_api_key)")
+    redis_dir: str = Field(
+        "redis", description="Redis's append-only file and its private redis.conf live here")
+    secrets_dir: str = Field(
+        "secrets", description="private folder (mode 0700) of the files that hand secrets to "
+                               "steps: the SGLang engines' API key file")
     log_dir: str = Field("logs", description="one log file per step, appended across restarts")
     srun_args: list[str] = Field(
         default_factory=list, description="extra srun flags of every step (container, gres)")

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import dump_config
+from services.common.redis_server_config import describe_server
+from services.deployment import secrets_of
 from services.slurm.memory import Estimate, engine_gpu, model_size, trainer_rank
-from services.slurm.steps import deployment_steps
+from services.slurm.steps import deployment_steps, engine_key_file
 
 
 def render_steps(config: Any, config_path: Path) -> str:
@@ -63,14 +65,42 @@ def render_memory(config: Any, hf: dict[str, Any], gpu_memory_gb: float,
 
 
 def render_config(config: Any) -> str:
-    """The deployment file exactly as it is written (the tokens masked)."""
+    """The deployment file exactly as it is written (the secrets masked)."""
     text = dump_config(config)
-    return "## Deployment config\n" + _mask_secrets(text, config.run)
+    for name, secret in secrets_of(config).items():
+        text = text.replace(secret, f"<{name}>")
+    return "## Deployment config\n" + text
 
 
-def _mask_secrets(text: str, run: Any) -> str:
-    for name in ("admin_token", "grpc_token", "engine_api_key"):
-        secret = getattr(run, name)
-        if secret:
-            text = text.replace(secret, f"<{name.replace('_', ' ')}>")
-    return text
+def render_security(config: Any) -> str:
+    """Every listener of the deployment with the credential it wants, and where each secret
+    lives (never the secret itself)."""
+    s = config.slurm
+    lines = ["## Who may connect (secrets live in the deployment file, mode 0600, or in "
+             "RIPTIDE_* variables; none is on a command line)"]
+    if config.rollout.mode != "score":
+        lines.append(f"  redis   {config.redis.host}:{config.redis.port}  "
+                     f"{describe_server(config.redis, [s.bind_host])}")
+    if s.engine_nodes:
+        how = (f"SGLang's --api-key from {engine_key_file(config)}, mode 0600"
+               if s.engine_program == "sglang" else "the built-in engine reads it from the file")
+        lines.append(f"  engines :{s.engine_port} on {s.bind_host}  run.engine_api_key "
+                     f"required ({how})")
+    channel = "over TLS (run.grpc_tls)" if config.run.grpc_tls else "in plaintext"
+    for name in ("router", "sandbox", "rollout", "trainer"):
+        section = getattr(config, name)
+        if name == "trainer" and config.rollout.mode == "score":
+            continue
+        lines.append(f"  {name:<7} gRPC {section.listen_host}:{section.grpc_port} "
+                     f"{channel}, run.grpc_token on every call but health checks; admin "
+                     f"{section.listen_host}:{section.admin_port} run.admin_token on /admin/ "
+                     f"(/healthz, /readyz, /metrics open)")
+    if config.rollout.mode != "score":
+        sync = config.trainer.weight_sync
+        lines.append(f"  trainer rendezvous {config.trainer.host}:{s.trainer_master_port}, weight-"
+                     f"update group at {sync.master_address}: bound to "
+                     "that address only (torch.distributed stores have no credential)")
+    if config.router.http_port is not None:
+        lines.append(f"  router  HTTP front {config.router.listen_host}:"
+                     f"{config.router.http_port} run.engine_api_key (sglang-router's --api-key)")
+    return "\n".join(lines)

@@ -68,11 +68,13 @@ def deployment_steps(config: Any, config_path: Path, python: str = sys.executabl
         extra = [arg for item in sets for arg in ("--set", item)]
         return [python, "-m", "services.cli", "serve", name, "--config", str(config_path), *extra]
 
+    check_credentials(config)
     head = [s.head_node]
     host, port = _host_port(config.redis.url, "redis.url")
-    redis_cmd = ["redis-server", "--bind", s.bind_host, "--port", str(port), "--dir",
-                 s.redis_dir, "--appendonly", "yes", "--save", "",
-                 "--protected-mode", "yes" if s.bind_host.startswith("127.") else "no"]
+    # Writes its private redis.conf (ACL user, password hash) from the deployment file, then
+    # execs redis-server: the password is on no command line.
+    redis_cmd = [python, "-m", "services.cli", "redis-server", "--config", str(config_path),
+                 "--bind", s.bind_host, "--dir", s.redis_dir]
     steps = [] if scoring else [Step("redis", head, 1, redis_cmd, f"tcp://{host}:{port}")]
     steps += _engine_steps(config, serve)
     for name in ("router", "sandbox"):
@@ -84,6 +86,30 @@ def deployment_steps(config: Any, config_path: Path, python: str = sys.executabl
     if not scoring:
         steps.append(_trainer_step(config, serve))
     return steps
+
+
+def check_credentials(config: Any) -> None:
+    """Every listener of the deployment wants a credential: Redis its password, the engines
+    (and the router's HTTP front) the engine API key, gRPC the token; ConfigError names the
+    missing one."""
+    s, run = config.slurm, config.run
+    missing = []
+    if config.rollout.mode != "score" and not config.redis.password:
+        missing.append("redis.password (or RIPTIDE_REDIS_PASSWORD): Redis requires a login")
+    if s.engine_nodes and not run.engine_api_key:
+        missing.append(f"run.engine_api_key (or RIPTIDE_ENGINE_API_KEY): the engines listen on "
+                       f"{s.bind_host}")
+    if not run.grpc_token:
+        missing.append("run.grpc_token (or RIPTIDE_GRPC_TOKEN): the services' gRPC ports "
+                       "reach across nodes")
+    if missing:
+        raise ConfigError("the Slurm deployment needs its secrets: set " + "; ".join(missing))
+
+
+def engine_key_file(config: Any) -> Path:
+    """SGLang's `--config` YAML with the engine API key, in slurm.secrets_dir (written mode
+    0600 by the supervisor before the engine steps start)."""
+    return Path(config.slurm.secrets_dir) / "engine-api-key.yaml"
 
 
 def _engine_steps(config: Any, serve: Any) -> list[Step]:
@@ -119,6 +145,7 @@ def _sglang_command(config: Any, nodes: list[str], version: int) -> list[str]:
         raise ConfigError("slurm.engine_program 'sglang' needs rollout.fleet.model_path")
     command = sglang_command(fleet.sglang, fleet.model_path, s.bind_host, s.engine_port, version,
                              python=sys.executable)
+    command += ["--config", str(engine_key_file(config))]  # its --api-key, from a 0600 file
     if len(nodes) == 1:
         return command
     # One engine over several nodes: every node's task joins at the first node.

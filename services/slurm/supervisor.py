@@ -27,7 +27,7 @@ import httpx
 from services.common import process
 from services.common.errors import ConfigError
 from services.local_stack import trainer_step
-from services.slurm.steps import Step, deployment_steps
+from services.slurm.steps import Step, deployment_steps, engine_key_file
 
 
 @dataclass
@@ -83,12 +83,25 @@ class Supervisor:
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        Path(self.config.slurm.redis_dir).mkdir(parents=True, exist_ok=True)
+        Path(self.config.slurm.redis_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._write_secret_files()
         for step in self.steps:
             self.say(f"[slurm] start {step.name} on {','.join(step.nodes)}")
             self.running[step.name] = _Running(step, self._start(step))
             self._wait_ready(step)
             self.say(f"[slurm] {step.name} ready")
+
+    def _write_secret_files(self) -> None:
+        """The SGLang engines' API key file, in a folder of this user only."""
+        s = self.config.slurm
+        if not (s.engine_nodes and s.engine_program == "sglang"):
+            return
+        from services.rollout.sglang_command import write_api_key_yaml
+
+        path = engine_key_file(self.config)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+        write_api_key_yaml(path, self.config.run.engine_api_key)
 
     def _wait_ready(self, step: Step) -> None:
         proc = self.running[step.name].proc

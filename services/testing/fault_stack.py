@@ -30,6 +30,7 @@ import redis
 
 from services.common import process
 from services.common.config import dump_config
+from services.common.redis_connect import connect
 from services.local_stack import MAX_STALENESS, ensure_tiny_model, local_config
 from services.testing.proc_tree import descendants, is_running
 
@@ -262,7 +263,7 @@ class FaultStack:
 
     # -- audit -------------------------------------------------------------------------
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.config.redis.url, socket_timeout=10)
+        return connect(self.config.redis, socket_timeout=10)
 
     def audit(self) -> Audit:
         """Markers, then the stream, then the newest checkpoint (that order never reports a

@@ -1,12 +1,15 @@
-"""A throwaway redis-server on a free loopback port, for tests, benches and the local stack.
+"""A throwaway redis-server on a free loopback port, for tests and benches.
 
-No persistence (`--save "" --appendonly no`), its own temp dir, its own process group so that
-`stop()` and `kill()` reach it and nothing else.
+It requires a login like every Redis Riptide starts (the deployment's redis.conf: an ACL user
+with a fresh password, the default user off), but its user may run every command (tests read
+CONFIG and FLUSHALL between cases). No persistence (`--save "" --appendonly no`), its own temp
+dir, its own process group so that `stop()` and `kill()` reach it and nothing else.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -16,7 +19,9 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from services.common.config import RedisConfig
 from services.common.errors import Unavailable
+from services.common.redis_server_config import server_config, write_server_config
 
 INSTALL_HINT = (
     "redis-server is not on PATH; install it with `sudo apt-get install redis-server` "
@@ -40,11 +45,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    """Whether a Redis server answers PING at host:port."""
+    """Whether a Redis server answers PING at host:port (PONG, or NOAUTH: it wants a login)."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -54,10 +59,13 @@ class RedisServer:
     or call `stop()`."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int | None = None, start_timeout_s: float = 10.0
+        self, host: str = "127.0.0.1", port: int | None = None, start_timeout_s: float = 10.0,
+        password: str | None = None,
     ) -> None:
         self.host = host
         self.port = 0
+        self.username = "riptide"
+        self.password = password or secrets.token_urlsafe(24)
         self._binary = find_redis_server()
         self._dir = Path(tempfile.mkdtemp(prefix="riptide-redis-"))
         self._proc: subprocess.Popen[bytes] | None = None
@@ -69,18 +77,26 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        """Where it listens (no credentials: see `config`)."""
         return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def config(self) -> RedisConfig:
+        """The [redis] section of a deployment using this server: URL, user and password."""
+        return RedisConfig(url=self.url, username=self.username, password=self.password)
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
     def _start(self, port: int, timeout_s: float) -> bool:
+        login = RedisConfig(url=f"redis://{self.host}:{port}/0", username=self.username,
+                            password=self.password)
+        conf = write_server_config(self._dir / "redis.conf", server_config(
+            login, [self.host], self._dir, user_commands="~* &* +@all"))
         args = [
             self._binary,
-            "--bind", self.host,
-            "--port", str(port),
-            "--save", "",
+            str(conf),
             "--appendonly", "no",
             "--dir", str(self._dir),
             "--logfile", str(self._dir / "redis.log"),

@@ -21,6 +21,7 @@ import httpx
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common import process
+from services.common.config import GrpcTlsConfig
 from services.common.grpc_client import aio_channel, sync_channel
 from services.common.ports import free_ports
 from services.testing.sim_engine_process import SimEngineProcess
@@ -36,7 +37,7 @@ class RouterProcess:
 
     def __init__(self, start_timeout_s: float = 30.0, http_front: bool = False,
                  grpc_token: str | None = None, engine_api_key: str | None = None,
-                 **settings: Any) -> None:
+                 grpc_tls: GrpcTlsConfig | None = None, **settings: Any) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="riptide-router-"))
         grpc_port, admin_port, http_port = free_ports(3)
         router = {"grpc_port": grpc_port, "admin_port": admin_port, **settings}
@@ -49,8 +50,12 @@ class RouterProcess:
             lines.append(f'grpc_token = "{grpc_token}"')
         if engine_api_key:
             lines.append(f'engine_api_key = "{engine_api_key}"')
+        if grpc_tls is not None:
+            lines.append("[run.grpc_tls]")
+            lines += [f"{key} = {json.dumps(value)}"
+                      for key, value in grpc_tls.model_dump().items()]
         lines.append("[router]")
-        self.grpc_token = grpc_token
+        self.grpc_token, self.grpc_tls = grpc_token, grpc_tls
         # JSON scalars and lists of strings are valid TOML values.
         lines += [f"{key} = {json.dumps(value)}" for key, value in router.items()]
         config = self._dir / "router.toml"
@@ -87,10 +92,10 @@ class RouterProcess:
             return "(no log)"
 
     def channel(self) -> grpc.Channel:
-        return sync_channel(self.address, self.grpc_token)
+        return sync_channel(self.address, self.grpc_token, tls=self.grpc_tls)
 
     def aio_channel(self) -> grpc.aio.Channel:
-        return aio_channel(self.address, self.grpc_token)
+        return aio_channel(self.address, self.grpc_token, tls=self.grpc_tls)
 
     def stub(self) -> router_pb2_grpc.RouterStub:
         """A blocking Router stub on a channel kept for this process's lifetime."""

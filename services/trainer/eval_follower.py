@@ -15,6 +15,7 @@ import threading
 
 import redis
 
+from services.common.config import RedisConfig
 from services.common.events import EventTail
 from services.trainer.stats import TrainerStats
 
@@ -24,9 +25,9 @@ log = logging.getLogger(__name__)
 class EvalFollower:
     """Follows one run's `rollout.eval` events into `stats`."""
 
-    def __init__(self, redis_url: str, run: str, stats: TrainerStats,
+    def __init__(self, redis: RedisConfig, run: str, stats: TrainerStats,
                  interval_s: float = 5.0) -> None:
-        self._tail = EventTail(redis_url, run)
+        self._tail = EventTail(redis, run)
         self._stats = stats
         self._interval_s = interval_s
         self._stop = threading.Event()

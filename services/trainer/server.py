@@ -11,4 +11,4 @@ def build_runtime(deployment_config: Any) -> TrainerRuntime:
     """The trainer's ServiceRuntime; the model is built when it starts, not here."""
     c = deployment_config
     return TrainerRuntime(c.trainer, c.redis, c.run.name, c.run.grpc_token, c.run.events,
-                          engine_api_key=c.run.engine_api_key)
+                          engine_api_key=c.run.engine_api_key, grpc_tls=c.run.grpc_tls)

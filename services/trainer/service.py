@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from services.common.config import EventsConfig, RedisConfig
+from services.common.config import EventsConfig, GrpcTlsConfig, RedisConfig
 from services.common.errors import ConfigError
 from services.common.events import EventPublisher
 from services.common.grpc_server import GuardedRegistrar
@@ -43,16 +43,18 @@ class TrainerRuntime(ServiceRuntime):
     def __init__(
         self, config: TrainerConfig, redis: RedisConfig, run_name: str, grpc_token: str | None,
         events: EventsConfig | None = None, engine_api_key: str | None = None,
+        grpc_tls: GrpcTlsConfig | None = None,
     ) -> None:
         super().__init__()
+        self.grpc_tls = grpc_tls
         self.config = config
         self.redis = redis
         self.run_name = run_name
         self.grpc_token = grpc_token
         self.engine_api_key = engine_api_key  # weight_sync.mode = "direct" posts to engines
-        self.events = EventPublisher(redis.url, run_name, "trainer", events or EventsConfig())
+        self.events = EventPublisher(redis, run_name, "trainer", events or EventsConfig())
         self.stats = TrainerStats()
-        self.eval_follower = EvalFollower(redis.url, run_name, self.stats)
+        self.eval_follower = EvalFollower(redis, run_name, self.stats)
         self.loop: Any = None
         self.error: str | None = None
         self._stop = threading.Event()
@@ -156,7 +158,7 @@ class TrainerRuntime(ServiceRuntime):
             c.pad_token_id, c.packed_sequences, c.shared_prefix,
         )  # fmt: skip
         weight_sync = self._weight_sync = build_weight_sync(
-            c.weight_sync, built.backend, self.grpc_token, self.engine_api_key
+            c.weight_sync, built.backend, self.grpc_token, self.engine_api_key, self.grpc_tls
         )
         sync = None
         if weight_sync is not None:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from services.common.config import GrpcTlsConfig
 from services.common.engine_contract import SERVER_INFO, bearer
 from services.common.errors import Conflict, Unavailable
 from services.trainer.convert import iter_hf_buckets
@@ -217,12 +218,13 @@ class RolloutWeightSync(_SyncBase):
     """Rank 0 drives the rollout service's `Rollout.UpdateWeights` stream and broadcasts;
     the rollout service pauses the engines and forwards each bucket's metadata to them."""
 
-    def __init__(self, config: WeightSyncConfig, backend: str, token: str | None = None) -> None:
+    def __init__(self, config: WeightSyncConfig, backend: str, token: str | None = None,
+                 tls: GrpcTlsConfig | None = None) -> None:
         super().__init__(config, backend)
         from services._proto.riptide.v1 import rollout_pb2_grpc
         from services.common.grpc_client import sync_channel
 
-        self.channel = sync_channel(config.rollout_address, token)
+        self.channel = sync_channel(config.rollout_address, token, tls=tls)
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
 
     def _send(self, buckets: Iterator[tuple[Bucket, bool]], version: int) -> tuple[int, int, int]:
@@ -310,11 +312,11 @@ class RolloutWeightSync(_SyncBase):
 
 def build_weight_sync(
     config: WeightSyncConfig, backend: str, token: str | None = None,
-    engine_api_key: str | None = None,
+    engine_api_key: str | None = None, tls: GrpcTlsConfig | None = None,
 ) -> WeightSync | None:
     """The weight sync the config asks for (None when mode is off)."""
     if config.mode == "off":
         return None
     if config.mode == "direct":
         return DirectEngineWeightSync(config, backend, engine_api_key)
-    return RolloutWeightSync(config, backend, token)
+    return RolloutWeightSync(config, backend, token, tls)

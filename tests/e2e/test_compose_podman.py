@@ -95,7 +95,10 @@ def test_compose_stack_trains_under_podman(tmp_path: Path) -> None:
     _build_images(podman_env(tmp_path), tmp_path)
     token = secrets.token_urlsafe(16)
     ports = dict(zip(SERVICES, free_ports(len(SERVICES)), strict=True))
-    compose_env = {"RIPTIDE_IMAGE": IMAGE, "RIPTIDE_ADMIN_TOKEN": token,
+    # Every secret on: gRPC token, engine key and the Redis password, all from the environment.
+    secret_env = {name: secrets.token_urlsafe(24) for name in (
+        "RIPTIDE_GRPC_TOKEN", "RIPTIDE_ENGINE_API_KEY", "RIPTIDE_REDIS_PASSWORD")}
+    compose_env = {"RIPTIDE_IMAGE": IMAGE, "RIPTIDE_ADMIN_TOKEN": token, **secret_env,
                    **{f"RIPTIDE_{name.upper()}_PORT": str(p) for name, p in ports.items()}}
     stack = PodmanCompose(REPO, tmp_path, f"riptide-test-{os.getpid()}", compose_env)
     stack.start_api()
@@ -113,6 +116,11 @@ def test_compose_stack_trains_under_podman(tmp_path: Path) -> None:
                  "/etc/riptide/config.toml", "--set", f"run.admin_token={token}"],
                 env=stack.env, capture_output=True, text=True, timeout=120)
             trainer_log = stack.logs("trainer")
+            # Inside the compose network, Redis wants the login: NOAUTH without it.
+            redis_id = stack.compose("ps", "-q", "redis").stdout.strip()
+            anonymous = subprocess.run(["podman", "exec", redis_id, "redis-cli", "ping"],
+                                       env=stack.env, capture_output=True, text=True,
+                                       timeout=120)
         except Exception as exc:
             raise AssertionError(f"{exc}\n--- compose logs ---\n{stack.logs()[-8000:]}") from exc
     finally:
@@ -125,4 +133,5 @@ def test_compose_stack_trains_under_podman(tmp_path: Path) -> None:
         assert any(line.split()[:2] == [name, "ready"] for line in status.stdout.splitlines()), \
             status.stdout
     assert "weight sync v" in trainer_log
+    assert "NOAUTH" in anonymous.stdout + anonymous.stderr, anonymous
     assert stack.leftovers() == [], down

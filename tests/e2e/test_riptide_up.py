@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import signal
 import subprocess
 import sys
@@ -11,9 +12,12 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import process
+from services.common.config import RedisConfig
+from services.common.redis_connect import connect
 from services.deployment import load_config
 from services.testing.proc_tree import alive, descendants
 
@@ -33,10 +37,13 @@ def _wait_for_line(log: Path, needle: str, proc: subprocess.Popen[bytes], timeou
 
 
 def test_up_serves_all_services_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
+    """Started as a shell starts a background job (SIGINT ignored, which Python keeps), so
+    `riptide up` must install its own SIGINT handler to stop on Ctrl-C / `kill -INT`."""
     run_dir = tmp_path / "stack"
     log = tmp_path / "up.log"
     up = process.spawn(
-        [sys.executable, "-m", "services.cli", "up", "--dir", str(run_dir)], log_path=log
+        ["sh", "-c", f"trap '' INT; exec {shlex.quote(sys.executable)} -m services.cli up "
+                     f"--dir {shlex.quote(str(run_dir))}"], log_path=log
     )
     try:
         _wait_for_line(log, "all services ready", up, timeout_s=240)
@@ -57,6 +64,7 @@ def test_up_serves_all_services_and_ctrl_c_leaves_nothing(tmp_path: Path) -> Non
             state = httpx.get(f"{section.admin_url}/admin/state", headers=token)
             assert state.status_code == 200 and state.json()["service"] == name
         _engines_need_their_key(config, token, up.pid)
+        _redis_wants_its_login(config.redis)
 
         status = subprocess.run(
             [
@@ -126,8 +134,18 @@ def _engines_need_their_key(config: object, token: dict[str, str], up_pid: int) 
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        for secret in (run.engine_api_key, run.grpc_token, run.admin_token):
+        for secret in (run.engine_api_key, run.grpc_token, run.admin_token,
+                       config.redis.password):  # type: ignore[attr-defined]
             assert secret not in argv, f"a secret on the command line of pid {pid}"
+
+
+def _redis_wants_its_login(redis_config: RedisConfig) -> None:
+    """The stack's Redis refuses a client without the config's login and serves one with it."""
+    with redis.Redis(host=redis_config.host, port=redis_config.port, protocol=2) as anonymous:
+        with pytest.raises(redis.AuthenticationError, match="Authentication required"):
+            anonymous.ping()
+    with connect(redis_config) as client:
+        assert client.ping()
 
 
 def test_up_without_redis_says_how_to_install_it(tmp_path: Path) -> None:

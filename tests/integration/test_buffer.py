@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from services._proto.riptide.v1 import common_pb2
 from services.common.buffer import AsyncSampleBuffer, SampleBuffer
 from services.common.config import RedisConfig
 from services.common.errors import Backpressure, Unavailable
+from services.common.redis_connect import connect
 from services.testing.redis_server import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,12 +47,15 @@ def make_group(group_id: str, num_samples: int = 2, num_tokens: int = 64) -> com
     return group
 
 
-def open_buffer(url: str, max_groups: int = 64) -> SampleBuffer:
-    return SampleBuffer(RedisConfig(url=url, max_groups=max_groups, connect_timeout_s=1.0), RUN)
+def open_buffer(config: RedisConfig | str, max_groups: int = 64) -> SampleBuffer:
+    """A buffer of the given server (a bare URL: one without a password)."""
+    config = RedisConfig(url=config) if isinstance(config, str) else config
+    return SampleBuffer(config.model_copy(update={"max_groups": max_groups,
+                                                  "connect_timeout_s": 1.0}), RUN)
 
 
-def test_put_read_ack_round_trip(redis_url: str) -> None:
-    buffer = open_buffer(redis_url)
+def test_put_read_ack_round_trip(redis_config: RedisConfig) -> None:
+    buffer = open_buffer(redis_config)
     groups = [make_group(f"g{i}") for i in range(3)]
     assert all(buffer.put(group) for group in groups)
     entries = buffer.read("c1", count=10)
@@ -63,20 +66,20 @@ def test_put_read_ack_round_trip(redis_url: str) -> None:
     assert buffer.read("c1", count=10, block_ms=50) == []
 
 
-def test_put_is_idempotent_across_producer_retries(redis_url: str) -> None:
+def test_put_is_idempotent_across_producer_retries(redis_config: RedisConfig) -> None:
     group = make_group("g-retry")
-    assert open_buffer(redis_url).put(group) is True
-    assert open_buffer(redis_url).put(group) is False  # a restarted producer retrying
+    assert open_buffer(redis_config).put(group) is True
+    assert open_buffer(redis_config).put(group) is False  # a restarted producer retrying
 
     async def async_retry() -> bool:
-        producer = await AsyncSampleBuffer.connect(RedisConfig(url=redis_url), RUN)
+        producer = await AsyncSampleBuffer.connect(redis_config, RUN)
         try:
             return await producer.put(group)
         finally:
             await producer.aclose()
 
     assert asyncio.run(async_retry()) is False
-    consumer = open_buffer(redis_url)
+    consumer = open_buffer(redis_config)
     entries = consumer.read("c1", count=10)
     assert [g.group_id for _, g in entries] == ["g-retry"]
     consumer.ack([entries[0][0]])
@@ -84,14 +87,14 @@ def test_put_is_idempotent_across_producer_retries(redis_url: str) -> None:
     assert consumer.stats().length == 0
 
 
-def test_concurrent_retries_write_each_group_once(redis_url: str) -> None:
-    buffer = open_buffer(redis_url)
+def test_concurrent_retries_write_each_group_once(redis_config: RedisConfig) -> None:
+    buffer = open_buffer(redis_config)
     groups = [make_group(f"g{i}") for i in range(4)]
     results: list[bool] = []
     lock = threading.Lock()
 
     def producer() -> None:
-        own = open_buffer(redis_url)
+        own = open_buffer(redis_config)
         for group in groups:
             written = own.put(group)
             with lock:
@@ -108,10 +111,11 @@ def test_concurrent_retries_write_each_group_once(redis_url: str) -> None:
 
 
 CHILD = """
-import json, sys, time
+import json, os, sys, time
 from services.common.buffer import SampleBuffer
 from services.common.config import RedisConfig
-buffer = SampleBuffer(RedisConfig(url=sys.argv[1]), sys.argv[2])
+buffer = SampleBuffer(RedisConfig(url=sys.argv[1], password=os.environ["RIPTIDE_REDIS_PASSWORD"]),
+                      sys.argv[2])
 entries = buffer.read("doomed", count=5)
 acked = [entry_id for entry_id, _ in entries[:2]]
 buffer.ack(acked)  # the first two made it into a checkpoint
@@ -121,16 +125,17 @@ time.sleep(600)
 
 
 def test_consumer_killed_mid_batch_loses_nothing_and_counts_nothing_twice(
-    redis_url: str,
+    redis_config: RedisConfig,
 ) -> None:
-    buffer = open_buffer(redis_url)
+    buffer = open_buffer(redis_config)
     all_ids = [f"g{i}" for i in range(12)]
     for group_id in all_ids:
         buffer.put(make_group(group_id))
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, redis_url, RUN],
+        [sys.executable, "-c", CHILD, redis_config.url, RUN],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO),
+             "RIPTIDE_REDIS_PASSWORD": str(redis_config.password)},
         stdout=subprocess.PIPE,
         start_new_session=True,
     )
@@ -166,17 +171,17 @@ def test_consumer_killed_mid_batch_loses_nothing_and_counts_nothing_twice(
     assert (stats.length, stats.pending) == (0, 0)
 
 
-def test_ack_of_an_unread_entry_deletes_nothing(redis_url: str) -> None:
-    buffer = open_buffer(redis_url)
+def test_ack_of_an_unread_entry_deletes_nothing(redis_config: RedisConfig) -> None:
+    buffer = open_buffer(redis_config)
     buffer.put(make_group("g0"))
-    entries: Any = redis.Redis.from_url(redis_url).xrange(f"riptide:{RUN}:samples")
+    entries: Any = connect(redis_config).xrange(f"riptide:{RUN}:samples")
     entry_id = entries[0][0].decode()
     assert buffer.ack([entry_id]) == 0
     assert [g.group_id for _, g in buffer.read("c1")] == ["g0"]
 
 
-def test_put_waits_when_full_then_raises_backpressure(redis_url: str) -> None:
-    buffer = open_buffer(redis_url, max_groups=2)
+def test_put_waits_when_full_then_raises_backpressure(redis_config: RedisConfig) -> None:
+    buffer = open_buffer(redis_config, max_groups=2)
     assert buffer.put(make_group("g0")) and buffer.put(make_group("g1"))
     started = time.monotonic()
     with pytest.raises(Backpressure, match="max_groups=2"):
@@ -189,7 +194,7 @@ def test_put_waits_when_full_then_raises_backpressure(redis_url: str) -> None:
 
     def ack_later() -> None:
         time.sleep(0.3)
-        open_buffer(redis_url).ack([entry_id])
+        open_buffer(redis_config).ack([entry_id])
 
     thread = threading.Thread(target=ack_later)
     thread.start()
@@ -200,9 +205,10 @@ def test_put_waits_when_full_then_raises_backpressure(redis_url: str) -> None:
     assert buffer.stats().length == 2
 
 
-def test_async_producer_backpressure(redis_url: str) -> None:
+def test_async_producer_backpressure(redis_config: RedisConfig) -> None:
     async def scenario() -> None:
-        producer = await AsyncSampleBuffer.connect(RedisConfig(url=redis_url, max_groups=1), RUN)
+        capped = redis_config.model_copy(update={"max_groups": 1})
+        producer = await AsyncSampleBuffer.connect(capped, RUN)
         try:
             assert await producer.put(make_group("g0"))
             with pytest.raises(Backpressure):
@@ -212,7 +218,7 @@ def test_async_producer_backpressure(redis_url: str) -> None:
             await producer.aclose()
 
     asyncio.run(scenario())
-    assert [g.group_id for _, g in open_buffer(redis_url).read("c1", count=5)] == ["g0"]
+    assert [g.group_id for _, g in open_buffer(redis_config).read("c1", count=5)] == ["g0"]
 
 
 def test_unreachable_redis_fails_fast_with_a_clear_error() -> None:
@@ -240,7 +246,7 @@ def test_hung_redis_fails_within_the_timeout() -> None:
 
 def test_redis_crash_surfaces_as_unavailable() -> None:
     with RedisServer() as server:
-        buffer = open_buffer(server.url)
+        buffer = open_buffer(server.config)
         assert buffer.put(make_group("g0"))
         server.kill()
         started = time.monotonic()
@@ -253,14 +259,15 @@ def test_redis_crash_surfaces_as_unavailable() -> None:
 
 def test_producers_reconnect_after_a_redis_restart() -> None:
     with RedisServer() as first:
-        config = RedisConfig(url=first.url, connect_timeout_s=1.0)
+        config = first.config.model_copy(update={"connect_timeout_s": 1.0})
         producer = SampleBuffer(config, RUN)
         loop = asyncio.new_event_loop()
         async_producer = loop.run_until_complete(AsyncSampleBuffer.connect(config, RUN))
         assert producer.put(make_group("g0"))
         assert loop.run_until_complete(async_producer.put(make_group("g1")))
         first.kill()
-        with RedisServer(port=first.port):  # pooled connections are now stale
+        # Pooled connections are now stale.
+        with RedisServer(port=first.port, password=first.password):
             assert producer.put(make_group("g2"))
             assert loop.run_until_complete(async_producer.put(make_group("g3")))
         loop.run_until_complete(async_producer.aclose())

@@ -7,7 +7,9 @@ import json
 
 import redis
 
+from services.common.config import RedisConfig
 from services.common.events import episodes_key, events_key
+from services.common.redis_connect import connect
 from services.rollout.dashboard.source import SCAN_CHUNK, RedisSource
 from services.testing.synthetic_events import SyntheticRun
 
@@ -20,18 +22,18 @@ def _write(client: redis.Redis, run: str, entries: list[tuple[str, dict]]) -> No
             client.xadd(episodes_key(run), {"episode": json.dumps(data)})
 
 
-def test_reads_new_events_only_and_finds_episodes(redis_url: str) -> None:
+def test_reads_new_events_only_and_finds_episodes(redis_config: RedisConfig) -> None:
     entries = SyntheticRun(num_steps=15).generate()
     events = [e for e in entries if e[0] == "events"]
     episodes = [e[1] for e in entries if e[0] == "episodes"]
     assert len(episodes) > 2 * SCAN_CHUNK  # lookups cross scan chunks
     half = len(entries) // 2
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_config)
     _write(client, "r", entries[:half])
     client.xadd(events_key("r"), {"event": b"{not json"})
 
     async def scenario() -> None:
-        source = RedisSource(redis_url, "r")
+        source = RedisSource(redis_config, "r")
         try:
             first = len((await source.refresh()).events)
             _write(client, "r", entries[half:])
@@ -50,14 +52,14 @@ def test_reads_new_events_only_and_finds_episodes(redis_url: str) -> None:
     asyncio.run(scenario())
 
 
-def test_a_finished_run_in_redis_is_not_live_but_still_followed(redis_url: str) -> None:
+def test_a_finished_run_in_redis_is_not_live_but_still_followed(redis_config: RedisConfig) -> None:
     import time
 
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_config)
     _write(client, "finished", SyntheticRun(num_steps=2).generate())  # events of long ago
 
     async def scenario() -> None:
-        source = RedisSource(redis_url, "finished")
+        source = RedisSource(redis_config, "finished")
         try:
             await source.refresh()
             assert not source.live and source.follows

@@ -76,7 +76,7 @@ def test_steps_move_the_rewarded_token_the_advantage_s_way(tmp_path: Path,
     logs = tmp_path / "logs"
     with RedisServer() as redis_server:
         config = local_config(tmp_path, {
-            "redis": {"url": redis_server.url},
+            "redis": redis_server.config.model_dump(exclude_none=True),
             "rollout": {"task_ids": ["t"], "scheduler": {
                 "max_concurrent_samples": 32, "n_samples_per_prompt": 16,
                 "num_groups_per_batch": 2, "max_new_tokens": 1, "max_staleness": 1,

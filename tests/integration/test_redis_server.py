@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from services.common.errors import Unavailable
+from services.common.redis_connect import connect
 from services.testing.redis_server import RedisServer, ping
 
 
@@ -25,7 +26,10 @@ def test_starts_on_loopback_without_persistence_and_stops_cleanly() -> None:
     pid = server.pid
     assert pid is not None and alive(pid)
     assert server.url == f"redis://127.0.0.1:{server.port}/0"
-    with redis.Redis.from_url(server.url, decode_responses=True) as client:
+    with redis.Redis.from_url(server.url, protocol=2) as anonymous:
+        with pytest.raises(redis.AuthenticationError, match="Authentication required"):
+            anonymous.ping()  # like every Redis Riptide starts: a login or nothing
+    with connect(server.config, decode_responses=True) as client:
         assert client.ping()
         assert client.config_get("save") == {"save": ""}
         assert client.config_get("appendonly") == {"appendonly": "no"}

@@ -16,12 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from services._proto.riptide.v1 import common_pb2
 from services.common import process
-from services.common.config import dump_config
+from services.common.config import RedisConfig, dump_config
 from services.common.ports import free_ports
+from services.common.redis_connect import connect
 from services.deployment import validate_config
 from services.testing.engine_process import tiny_model_path
 from services.testing.redis_server import RedisServer
@@ -37,7 +37,7 @@ REAL_SANDBOX = os.environ.get("RIPTIDE_ITEST_EPISODE_SERVER") != "1"
 
 
 class Stack:
-    def __init__(self, tmp: Path, redis_url: str) -> None:
+    def __init__(self, tmp: Path, redis_config: RedisConfig) -> None:
         ports = iter(free_ports(6))
         sections: dict[str, dict[str, Any]] = {
             name: {"grpc_port": next(ports), "admin_port": next(ports)}
@@ -56,7 +56,7 @@ class Stack:
                    "log_dir": str(tmp / "engines")})
         self.config = validate_config({
             "run": {"name": "itest", "admin_token": TOKEN, "log_format": "text"},
-            "redis": {"url": redis_url}, **sections})
+            "redis": redis_config.model_dump(exclude_none=True), **sections})
         path = tmp / "deploy.toml"
         path.write_text(dump_config(self.config))
         self.tmp = tmp
@@ -72,7 +72,7 @@ class Stack:
                 [sys.executable, "-m", "services.cli", "serve", name, "--config", str(path)],
                 log_path=tmp / f"{name}.log", cwd=REPO)
             self._wait_ready(name)
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = connect(redis_config)
 
     def _wait_ready(self, name: str, timeout_s: float = 240.0) -> None:
         url = f"{getattr(self.config, name).admin_url}/readyz"
@@ -119,7 +119,7 @@ def wait_for(probe: Callable[[], Any], what: str, timeout_s: float = 120.0) -> A
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with RedisServer() as server:
-        stack = Stack(tmp_path_factory.mktemp("rollout"), server.url)
+        stack = Stack(tmp_path_factory.mktemp("rollout"), server.config)
         try:
             yield stack
             engine_pids = [e["pid"] for e in stack.state()["engines"]]

@@ -5,11 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
-import redis
-
 from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
 from services.common.buffer import SampleBuffer
 from services.common.config import RedisConfig
+from services.common.redis_connect import connect
 from services.trainer.data import GroupStream
 
 
@@ -19,12 +18,12 @@ def _group(i: int) -> Group:
     return Group(group_id=f"g{i}", samples=[sample, sample])
 
 
-def test_empty_stream_wait_is_blocking_and_counted_as_bubble(redis_url: str) -> None:
-    buffer = SampleBuffer(RedisConfig(url=redis_url), "data")
+def test_empty_stream_wait_is_blocking_and_counted_as_bubble(redis_config: RedisConfig) -> None:
+    buffer = SampleBuffer(redis_config, "data")
     stream = GroupStream(buffer, "trainer-0", 2, True, 1024, block_ms=5000)
     assert buffer.put(_group(0))
     producer = threading.Timer(0.6, lambda: buffer.put(_group(1)))
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_config)
     client.config_resetstat()
     start = time.monotonic()
     producer.start()
@@ -37,8 +36,8 @@ def test_empty_stream_wait_is_blocking_and_counted_as_bubble(redis_url: str) -> 
     assert buffer.stats().pending == 2  # read, not acked: the loop acks after a checkpoint
 
 
-def test_stop_while_waiting_returns_none_and_keeps_what_was_read(redis_url: str) -> None:
-    buffer = SampleBuffer(RedisConfig(url=redis_url), "data")
+def test_stop_while_waiting_returns_none_and_keeps_what_was_read(redis_config: RedisConfig) -> None:
+    buffer = SampleBuffer(redis_config, "data")
     stream = GroupStream(buffer, "trainer-0", 2, True, 1024, block_ms=100)
     assert buffer.put(_group(0))
     stop = threading.Event()

@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import time
 
-from services.common.config import EventsConfig
+from services.common.config import EventsConfig, RedisConfig
 from services.common.events import EventPublisher
 from services.common.metrics import render
 from services.trainer.eval_follower import EvalFollower
 from services.trainer.stats import TrainerStats
 
 
-def publish_and_flush(redis_url: str, events: list[tuple[str, int, dict[str, object]]]) -> None:
-    publisher = EventPublisher(redis_url, "run", "rollout", EventsConfig())
+def publish_and_flush(
+    redis_config: RedisConfig, events: list[tuple[str, int, dict[str, object]]],
+) -> None:
+    publisher = EventPublisher(redis_config, "run", "rollout", EventsConfig())
     for kind, version, attrs in events:
         publisher.publish(kind, id=str(version), weight_version=version, attrs=attrs)
     publisher.close()
 
 
-def test_eval_events_become_trainer_metrics_once_each(redis_url: str) -> None:
+def test_eval_events_become_trainer_metrics_once_each(redis_config: RedisConfig) -> None:
     stats = TrainerStats()
-    follower = EvalFollower(redis_url, "run", stats)
-    publish_and_flush(redis_url, [
+    follower = EvalFollower(redis_config, "run", stats)
+    publish_and_flush(redis_config, [
         ("rollout.load", 0, {"in_flight": 3}),
         ("rollout.eval", 0, {"mean_success": 0.2, "per_task": {"a": 0.2}}),
         ("rollout.eval", 5, {"mean_success": 0.4, "per_task": {"a": 0.4}}),
@@ -29,7 +31,7 @@ def test_eval_events_become_trainer_metrics_once_each(redis_url: str) -> None:
     ])
     assert follower.poll_once() == 2
     assert follower.poll_once() == 0  # nothing new, nothing counted twice
-    publish_and_flush(redis_url, [("rollout.eval", 5, {"mean_success": 0.9}),
+    publish_and_flush(redis_config, [("rollout.eval", 5, {"mean_success": 0.9}),
                                   ("rollout.eval", 10, {"mean_success": 0.5})])
     assert follower.poll_once() == 1
     state = stats.snapshot()["eval_success_by_weight_version"]
@@ -40,12 +42,14 @@ def test_eval_events_become_trainer_metrics_once_each(redis_url: str) -> None:
     follower.stop()
 
 
-def test_the_follower_thread_keeps_up_and_outlives_a_missing_stream(redis_url: str) -> None:
+def test_the_follower_thread_keeps_up_and_outlives_a_missing_stream(
+    redis_config: RedisConfig,
+) -> None:
     stats = TrainerStats()
-    follower = EvalFollower(redis_url, "run", stats, interval_s=0.05)
+    follower = EvalFollower(redis_config, "run", stats, interval_s=0.05)
     follower.start()
     time.sleep(0.2)  # polls an empty stream
-    publish_and_flush(redis_url, [("rollout.eval", 3, {"mean_success": 1.0})])
+    publish_and_flush(redis_config, [("rollout.eval", 3, {"mean_success": 1.0})])
     deadline = time.monotonic() + 10
     while not stats.eval_success and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -39,7 +39,7 @@ def workdir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _write_config(workdir: Path, redis_url: str, model_dir: Path) -> Path:
+def _write_config(workdir: Path, redis_config: RedisConfig, model_dir: Path) -> Path:
     grpc_port, admin_port = free_ports(2)
     config = workdir / "deploy.toml"
     config.write_text(f"""
@@ -48,7 +48,8 @@ name = "launched"
 admin_token = "launched-admin"
 log_format = "text"
 [redis]
-url = "{redis_url}"
+url = "{redis_config.url}"
+password = "{redis_config.password}"
 [trainer]
 grpc_port = {grpc_port}
 admin_port = {admin_port}
@@ -111,15 +112,15 @@ class Ranks:
 
 @pytest.mark.slow
 def test_externally_launched_ranks_train_and_stop_together(
-    redis_url: str, workdir: Path
+    redis_config: RedisConfig, workdir: Path
 ) -> None:
     from services.common.tiny_model import create_tiny_model
 
     model_dir = create_tiny_model(workdir / "model", hidden_size=64, num_layers=2)
-    buffer = SampleBuffer(RedisConfig(url=redis_url), "launched")
+    buffer = SampleBuffer(redis_config, "launched")
     for i in range(2 * NUM_STEPS):
         assert buffer.put(scored_group(i))
-    ranks = Ranks(workdir, _write_config(workdir, redis_url, model_dir))
+    ranks = Ranks(workdir, _write_config(workdir, redis_config, model_dir))
     try:
         ranks.start()
         ranks.wait_for_step(NUM_STEPS)
@@ -158,7 +159,8 @@ def test_externally_launched_ranks_train_and_stop_together(
 
 
 def test_missing_launcher_variables_are_a_clear_error(workdir: Path) -> None:
-    config = _write_config(workdir, "redis://127.0.0.1:1/0", workdir / "no-model")
+    nowhere = RedisConfig(url="redis://127.0.0.1:1/0", password="never-used-password")
+    config = _write_config(workdir, nowhere, workdir / "no-model")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "SLURM_PROCID", "MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run(

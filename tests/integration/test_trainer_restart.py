@@ -63,7 +63,9 @@ def _wait(predicate, proc, timeout_s: float, what: str, log: Path) -> None:  # t
 
 
 @pytest.mark.slow
-def test_sigkill_and_restart_trains_each_group_once(redis_url: str, workdir: Path) -> None:
+def test_sigkill_and_restart_trains_each_group_once(
+    redis_config: RedisConfig, workdir: Path,
+) -> None:
     from services.common.tiny_model import create_tiny_model
 
     model_dir = create_tiny_model(workdir / "model", num_layers=1)
@@ -76,7 +78,8 @@ name = "{RUN}"
 admin_token = "{ADMIN}"
 log_format = "text"
 [redis]
-url = "{redis_url}"
+url = "{redis_config.url}"
+password = "{redis_config.password}"
 [trainer]
 grpc_port = {grpc_port}
 admin_port = {admin_port}
@@ -95,7 +98,7 @@ dir = "{ckpt_dir}"
 mode = "off"
 """)
     cmd = [sys.executable, "-m", "services.cli", "serve", "trainer", "--config", str(config)]
-    buffer = SampleBuffer(RedisConfig(url=redis_url), RUN)
+    buffer = SampleBuffer(redis_config, RUN)
     produced = _produce(buffer, range(10))
     log = workdir / "trainer.log"
     proc = process.spawn(cmd, log_path=log)
@@ -109,7 +112,7 @@ mode = "off"
         _wait(lambda: len(_trained(ckpt_dir)[1]) >= 20, proc, 120, "all groups", log)
         state = httpx.get(f"http://127.0.0.1:{admin_port}/admin/state",
                           headers={"Authorization": f"Bearer {ADMIN}"}, timeout=5).json()
-        assert process.stop(proc) == 0
+        assert process.stop(proc) == 0, log.read_text()[-3000:]
     finally:
         process.stop(proc, grace_s=2)
     step, trained = _trained(ckpt_dir)
@@ -140,28 +143,28 @@ class _CrashAfterSave(Checkpointer):
 
 
 def _tiny_loop(
-    redis_url: str, workdir: Path, checkpointer: Checkpointer, synced: list[int]
+    redis_config: RedisConfig, workdir: Path, checkpointer: Checkpointer, synced: list[int]
 ) -> TrainerLoop:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(200, 16), torch.nn.Linear(16, 200))
     opt = MasterAdam(list(model.parameters()), lr=1e-2, state_dir=workdir / "optstate")
     config = TrainerConfig(rollout_batch_size=2, read_block_ms=50, max_steps=5)
-    buffer = SampleBuffer(RedisConfig(url=redis_url), RUN)
+    buffer = SampleBuffer(redis_config, RUN)
     stream = GroupStream(buffer, "trainer-0", 2, True, 4096, block_ms=50)
     return TrainerLoop(config, ModelPolicy(model, opt), stream, checkpointer, synced.append)
 
 
 def test_crash_between_checkpoint_and_ack_neither_skips_nor_repeats(
-    redis_url: str, workdir: Path
+    redis_config: RedisConfig, workdir: Path
 ) -> None:
-    buffer = SampleBuffer(RedisConfig(url=redis_url), RUN)
+    buffer = SampleBuffer(redis_config, RUN)
     produced = _produce(buffer, range(10))
     synced: list[int] = []
-    crashing = _tiny_loop(redis_url, workdir, _CrashAfterSave(workdir / "ckpt", 3), synced)
+    crashing = _tiny_loop(redis_config, workdir, _CrashAfterSave(workdir / "ckpt", 3), synced)
     with pytest.raises(KeyboardInterrupt):
         crashing.run(lambda: False)
     assert buffer.stats().pending == 2  # step 3's groups: checkpointed, not acked
-    loop = _tiny_loop(redis_url, workdir, Checkpointer(workdir / "ckpt"), synced)
+    loop = _tiny_loop(redis_config, workdir, Checkpointer(workdir / "ckpt"), synced)
     state = loop.run(lambda: False)
     assert loop.recovery.acked_covered == 2 and loop.recovery.requeued == 0
     assert state.step == 5 and state.trained_group_ids == produced
@@ -170,12 +173,12 @@ def test_crash_between_checkpoint_and_ack_neither_skips_nor_repeats(
 
 
 def test_restart_after_an_unsaved_sync_pushes_the_checkpoint_under_a_new_version(
-    redis_url: str, workdir: Path
+    redis_config: RedisConfig, workdir: Path
 ) -> None:
-    buffer = SampleBuffer(RedisConfig(url=redis_url), RUN)
+    buffer = SampleBuffer(redis_config, RUN)
     _produce(buffer, range(4))
     synced: list[int] = []
-    first = _tiny_loop(redis_url, workdir, Checkpointer(workdir / "ckpt"), synced)
+    first = _tiny_loop(redis_config, workdir, Checkpointer(workdir / "ckpt"), synced)
     first.config.max_steps = 2
     first.config.checkpoint.interval_steps = 2
     first.config.weight_sync.interval_steps = 1
@@ -183,7 +186,7 @@ def test_restart_after_an_unsaved_sync_pushes_the_checkpoint_under_a_new_version
     assert synced == [1, 2]
     (workdir / "ckpt" / "step-00000002").rename(workdir / "ckpt" / "lost")
     Checkpointer(workdir / "ckpt").save(first.policy, _state_at_step_zero())
-    second = _tiny_loop(redis_url, workdir, Checkpointer(workdir / "ckpt"), synced)
+    second = _tiny_loop(redis_config, workdir, Checkpointer(workdir / "ckpt"), synced)
     second.config.max_steps = 1
     second.run(lambda: True)
     assert synced == [1, 2, 3]  # the engines may hold v2's weights: resync under v3

@@ -49,21 +49,21 @@ class FlakySync:
         self.delivered.append(version)
 
 
-def _loop(redis_url: str, workdir: Path, sync: object, **config: object) -> TrainerLoop:
+def _loop(redis_config: RedisConfig, workdir: Path, sync: object, **config: object) -> TrainerLoop:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(200, 16), torch.nn.Linear(16, 200))
     opt = MasterAdam(list(model.parameters()), lr=1e-2, state_dir=workdir / "optstate")
     cfg = TrainerConfig(rollout_batch_size=2, read_block_ms=50, **config)  # type: ignore[arg-type]
     cfg.weight_sync.retry_initial_s = 0.05
     cfg.weight_sync.retry_max_s = 0.1
-    stream = GroupStream(SampleBuffer(RedisConfig(url=redis_url), RUN), "trainer-0", 2, True,
+    stream = GroupStream(SampleBuffer(redis_config, RUN), "trainer-0", 2, True,
                          4096, block_ms=50)
     return TrainerLoop(cfg, ModelPolicy(model, opt), stream, Checkpointer(workdir / "ckpt"),
                        sync)  # type: ignore[arg-type]
 
 
-def _fill(redis_url: str, indices: range) -> SampleBuffer:
-    buffer = SampleBuffer(RedisConfig(url=redis_url), RUN)
+def _fill(redis_config: RedisConfig, indices: range) -> SampleBuffer:
+    buffer = SampleBuffer(redis_config, RUN)
     for i in indices:
         assert buffer.put(scored_group(i, vocab=200))
     return buffer
@@ -75,11 +75,11 @@ def _marker(workdir: Path) -> int:
 
 
 def test_a_failed_sync_is_retried_under_one_version_and_training_goes_on(
-    redis_url: str, workdir: Path
+    redis_config: RedisConfig, workdir: Path
 ) -> None:
-    _fill(redis_url, range(6))
+    _fill(redis_config, range(6))
     sync = FlakySync(failures=3)
-    loop = sync.loop = _loop(redis_url, workdir, sync, max_steps=3)
+    loop = sync.loop = _loop(redis_config, workdir, sync, max_steps=3)
     state = loop.run(lambda: False)
     assert state.step == 3 and state.weight_version == 3
     assert sync.calls == [1, 1, 1, 1, 2, 3] and sync.delivered == [1, 2, 3]
@@ -90,25 +90,27 @@ def test_a_failed_sync_is_retried_under_one_version_and_training_goes_on(
 
 
 def test_resume_sync_to_an_absent_rollout_waits_without_bumping_the_marker(
-    redis_url: str, workdir: Path
+    redis_config: RedisConfig, workdir: Path
 ) -> None:
-    _fill(redis_url, range(2))
-    first = _loop(redis_url, workdir, FlakySync(0), max_steps=1)
+    _fill(redis_config, range(2))
+    first = _loop(redis_config, workdir, FlakySync(0), max_steps=1)
     first.config.checkpoint.interval_steps = 1
     first.run(lambda: False)  # checkpoint at v0, then sync v1 (marker 1 > checkpoint)
     assert _marker(workdir) == 1
     # The second start: the rollout is away for several tries (the old `make demo` failure).
     sync = FlakySync(failures=5)
-    second = _loop(redis_url, workdir, sync, max_steps=1)
+    second = _loop(redis_config, workdir, sync, max_steps=1)
     state = second.run(lambda: False)
     assert sync.calls == [2] * 6 and sync.delivered == [2] and _marker(workdir) == 2
     assert state.weight_version == 2
 
 
-def test_stop_while_a_sync_keeps_failing_ends_the_loop(redis_url: str, workdir: Path) -> None:
-    _fill(redis_url, range(2))
+def test_stop_while_a_sync_keeps_failing_ends_the_loop(
+    redis_config: RedisConfig, workdir: Path,
+) -> None:
+    _fill(redis_config, range(2))
     sync = FlakySync(failures=10**6)
-    loop = _loop(redis_url, workdir, sync, max_steps=5)
+    loop = _loop(redis_config, workdir, sync, max_steps=5)
     deadline = time.monotonic() + 1.0
     state = loop.run(lambda: time.monotonic() > deadline)
     assert state.step == 1 and len(sync.calls) >= 3 and sync.delivered == []
@@ -116,12 +118,12 @@ def test_stop_while_a_sync_keeps_failing_ends_the_loop(redis_url: str, workdir: 
 
 
 def test_groups_beyond_max_staleness_are_dropped_recorded_and_acked(
-    redis_url: str, workdir: Path
+    redis_config: RedisConfig, workdir: Path
 ) -> None:
     sync = FlakySync(0)
-    loop = _loop(redis_url, workdir, sync, max_steps=4, max_staleness=1)
+    loop = _loop(redis_config, workdir, sync, max_steps=4, max_staleness=1)
     loop.config.checkpoint.interval_steps = 1
-    buffer = _fill(redis_url, range(4))  # steps 1 and 2 at versions 0 and 1
+    buffer = _fill(redis_config, range(4))  # steps 1 and 2 at versions 0 and 1
     stale = [scored_group(i, vocab=200) for i in (10, 11)]  # generated at v0
     fresh = []
     for i in range(4, 8):
@@ -141,11 +143,11 @@ def test_groups_beyond_max_staleness_are_dropped_recorded_and_acked(
 
 
 def test_an_idle_trainer_pushes_weights_when_the_engines_lack_them(
-    redis_url: str, workdir: Path
+    redis_config: RedisConfig, workdir: Path
 ) -> None:
     sync = FlakySync(0)
     asked = []
-    loop = _loop(redis_url, workdir, sync)
+    loop = _loop(redis_config, workdir, sync)
     loop.config.weight_sync.check_interval_s = 0.05
     loop.needs_weights = lambda: (asked.append(1), len(sync.delivered) == 0)[1]
     deadline = time.monotonic() + 1.0
@@ -166,12 +168,12 @@ class SlowSync(FlakySync):
 
 
 def test_the_next_ask_waits_a_whole_interval_after_an_idle_push(
-    redis_url: str, workdir: Path
+    redis_config: RedisConfig, workdir: Path
 ) -> None:
     # The rollout's status still says "needs weights" for a moment after a push; an ask timed
     # from before the push would push (and bump the version) again at once.
     sync = SlowSync(0.8)
-    loop = _loop(redis_url, workdir, sync)
+    loop = _loop(redis_config, workdir, sync)
     loop.config.weight_sync.check_interval_s = 1.0
     loop.needs_weights = lambda: True
     deadline = time.monotonic() + 2.4

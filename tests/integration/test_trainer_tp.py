@@ -45,7 +45,7 @@ def workdir() -> Iterator[Path]:
 # (TP sums in another order); eps = 1e-6 keeps that noise well under the 1e-5 tolerance while
 # real gradients (~1e-3 here) still take full steps.
 def _config(
-    workdir: Path, redis_url: str, model_dir: Path, run: str, tp: int, dp: int,
+    workdir: Path, redis_config: RedisConfig, model_dir: Path, run: str, tp: int, dp: int,
     lr: float = 1e-4, weight_sync: str = 'mode = "off"', cp: int = 1, pp: int = 1,
 ) -> tuple[Path, int]:
     grpc_port, admin_port = free_ports(2)
@@ -57,7 +57,8 @@ name = "{run}"
 admin_token = "{ADMIN}"
 log_format = "text"
 [redis]
-url = "{redis_url}"
+url = "{redis_config.url}"
+password = "{redis_config.password}"
 [trainer]
 grpc_port = {grpc_port}
 admin_port = {admin_port}
@@ -87,14 +88,14 @@ dir = "{workdir / run / 'ckpt'}"
 class Trainer:
     """One `riptide serve trainer` deployment: its stream, config and current process."""
 
-    def __init__(self, workdir: Path, redis_url: str, model_dir: Path, run: str, tp: int,
+    def __init__(self, workdir: Path, redis_config: RedisConfig, model_dir: Path, run: str, tp: int,
                  dp: int, **options: Any) -> None:
         self.name = run
-        self.config, self.admin_port = _config(workdir, redis_url, model_dir, run, tp, dp,
+        self.config, self.admin_port = _config(workdir, redis_config, model_dir, run, tp, dp,
                                                **options)
         self.ckpt = workdir / run / "ckpt"
         self.log = workdir / run / "trainer.log"
-        self.buffer = SampleBuffer(RedisConfig(url=redis_url), run)
+        self.buffer = SampleBuffer(redis_config, run)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def produce(self, indices: range) -> None:
@@ -189,14 +190,14 @@ def _compare(name: str, merged: dict, full: dict) -> None:  # type: ignore[type-
 
 
 @pytest.mark.slow
-def test_tp2_and_dp2_services_match_one_rank(redis_url: str, workdir: Path) -> None:
+def test_tp2_and_dp2_services_match_one_rank(redis_config: RedisConfig, workdir: Path) -> None:
     from services.common.tiny_model import create_tiny_model
 
     model_dir = create_tiny_model(workdir / "model", hidden_size=64, num_layers=2)
     layouts = {"one": (1, 1, 1), "tp2": (2, 1, 1), "dp2": (1, 2, 1), "cp2": (1, 1, 2)}
-    trainers = {name: Trainer(workdir, redis_url, model_dir, name, tp, dp, cp=cp)
+    trainers = {name: Trainer(workdir, redis_config, model_dir, name, tp, dp, cp=cp)
                 for name, (tp, dp, cp) in layouts.items()}
-    trainers["pp2"] = Trainer(workdir, redis_url, model_dir, "pp2", 1, 1, pp=2)
+    trainers["pp2"] = Trainer(workdir, redis_config, model_dir, "pp2", 1, 1, pp=2)
     try:
         for t in trainers.values():
             t.produce(range(2 * NUM_STEPS))
@@ -289,7 +290,7 @@ def hf_logprobs_worker(
 
 
 @pytest.mark.slow
-def test_tp2_service_syncs_engine_directly(redis_url: str, workdir: Path) -> None:
+def test_tp2_service_syncs_engine_directly(redis_config: RedisConfig, workdir: Path) -> None:
     """TP=2 `riptide serve trainer` pushes its weights to a real engine after every step: the
     engine reports the trainer's weight version and scores like the saved checkpoint."""
     from services.common.tiny_model import create_tiny_model
@@ -300,7 +301,7 @@ def test_tp2_service_syncs_engine_directly(redis_url: str, workdir: Path) -> Non
     num_steps = 2
     with EngineProcess(model_dir) as engine:
         # lr 1e-2: two Adam steps move the engine's log-probs well away from the original.
-        trainer = Trainer(workdir, redis_url, model_dir, "sync", 2, 1, lr=1e-2, weight_sync=(
+        trainer = Trainer(workdir, redis_config, model_dir, "sync", 2, 1, lr=1e-2, weight_sync=(
             f'mode = "direct"\nengine_urls = ["{engine.url}"]\ndtype = "float32"\n'
             "bucket_mb = 0.05"))
         try:

@@ -16,6 +16,9 @@ from services.deployment import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "compose-file-test-token"
+SECRETS = {"RIPTIDE_ADMIN_TOKEN": TOKEN, "RIPTIDE_GRPC_TOKEN": "compose-grpc-token",
+           "RIPTIDE_ENGINE_API_KEY": "compose-engine-key",
+           "RIPTIDE_REDIS_PASSWORD": "compose-redis-password"}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,7 @@ def compose() -> dict[str, Any]:
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose not installed (`make test-deps` installs it)")
     done = subprocess.run(["docker-compose", "config"], cwd=REPO, capture_output=True,
-                          text=True, env={"PATH": "/usr/bin:/bin", "RIPTIDE_ADMIN_TOKEN": TOKEN},
+                          text=True, env={"PATH": "/usr/bin:/bin", **SECRETS},
                           timeout=60)
     assert done.returncode == 0, done.stderr
     return dict(yaml.safe_load(done.stdout))
@@ -65,6 +68,11 @@ def test_service_command_is_accepted_by_riptide_serve(compose: dict[str, Any], n
         monkeypatch.setenv(key, str(value))  # as the container's `riptide serve` sees it
     config = load_config(_mounted_config(service, str(args.config)), args.set)
     assert config.run.admin_token == TOKEN
+    # Every service holds every secret, from its environment: gRPC calls carry the token, the
+    # fleet's engines want the key, Redis the password.
+    assert (config.run.grpc_token, config.run.engine_api_key, config.redis.password) == (
+        SECRETS["RIPTIDE_GRPC_TOKEN"], SECRETS["RIPTIDE_ENGINE_API_KEY"],
+        SECRETS["RIPTIDE_REDIS_PASSWORD"])
     section = getattr(config, name)
     # Peers reach it by its compose name; its admin port is what is published and probed.
     assert section.host == name and section.bind_host == "0.0.0.0"
@@ -72,3 +80,20 @@ def test_service_command_is_accepted_by_riptide_serve(compose: dict[str, Any], n
     assert ("127.0.0.1", section.admin_port) in published, published
     assert f"127.0.0.1:{section.admin_port}/readyz" in " ".join(service["healthcheck"]["test"])
     assert config.redis.url.startswith("redis://redis:")
+
+
+def test_redis_runs_with_the_deployments_login(compose: dict[str, Any],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compose's Redis is `riptide redis-server` on the mounted config: the password from the
+    environment, none in its command or healthcheck."""
+    service = compose["services"]["redis"]
+    args = _parser().parse_args(service["command"])
+    assert args.command == "redis-server" and args.bind == ["0.0.0.0"]
+    assert not service.get("ports"), "Redis is reached on the compose network only"
+    assert set(service["environment"]) == {"RIPTIDE_REDIS_PASSWORD"}
+    monkeypatch.setenv("RIPTIDE_REDIS_PASSWORD", service["environment"]["RIPTIDE_REDIS_PASSWORD"])
+    config = load_config(_mounted_config(service, str(args.config)))
+    assert config.redis.password == SECRETS["RIPTIDE_REDIS_PASSWORD"]
+    shown = " ".join([*service["command"], *service["healthcheck"]["test"]])
+    for secret in SECRETS.values():
+        assert secret not in shown

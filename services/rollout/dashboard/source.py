@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from services.common.config import RedisConfig
 from services.common.errors import InvalidRequest, Unavailable
 from services.common.events import episodes_key, events_key
 from services.rollout.dashboard.record import RunRecord, load_jsonl
@@ -74,10 +75,10 @@ class RedisSource:
 
     follows = True
 
-    def __init__(self, url: str, run: str, max_events: int = 200_000) -> None:
-        import redis.asyncio as aioredis
+    def __init__(self, redis: RedisConfig, run: str, max_events: int = 200_000) -> None:
+        from services.common.redis_connect import connect_async
 
-        self.client: Any = aioredis.Redis.from_url(url, socket_connect_timeout=5.0)
+        self.client: Any = connect_async(redis, socket_connect_timeout=5.0)
         self.run = run
         self.record = RunRecord(max_events=max_events)
         self._last_id = "-"

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import dump_config, parse_override
+from services.common.config import RedisConfig, dump_config, parse_override
 from services.common.errors import ConfigError
-from services.deployment import load_config, validate_config
+from services.common.redis_server_config import server_config
+from services.deployment import load_config, secrets_of, validate_config
 
 MINIMAL = '[run]\nadmin_token = "0123456789"\n'
 
@@ -73,6 +74,33 @@ def test_secrets_come_from_the_environment_over_the_file(
     monkeypatch.setenv("RIPTIDE_ADMIN_TOKEN", "admin-from-env")
     monkeypatch.setenv("RIPTIDE_GRPC_TOKEN", "grpc-from-env")
     monkeypatch.setenv("RIPTIDE_ENGINE_API_KEY", "engine-from-env")
+    monkeypatch.setenv("RIPTIDE_REDIS_PASSWORD", "redis-password-from-env")
     config = load_config(path)
     assert (config.run.admin_token, config.run.grpc_token) == ("admin-from-env", "grpc-from-env")
     assert config.run.engine_api_key == "engine-from-env"
+    assert config.redis.password == "redis-password-from-env"
+    assert secrets_of(config) == {"admin token": "admin-from-env", "grpc token": "grpc-from-env",
+                                  "engine api key": "engine-from-env",
+                                  "redis password": "redis-password-from-env"}
+    # Never in a repr, and messages describe the login without the secret.
+    assert "redis-password-from-env" not in repr(config.redis)
+    assert "redis-password-from-env" not in config.redis.describe()
+    assert "user riptide, password set" in config.redis.describe()
+
+
+def test_redis_settings_say_how_to_fix_them() -> None:
+    with pytest.raises(ValueError, match="use a rediss:// url"):
+        RedisConfig(url="redis://h:1/0", tls_ca_file="ca.pem")
+    with pytest.raises(ValueError, match="tls_cert_file and redis.tls_key_file together"):
+        RedisConfig(url="rediss://h:1/0", tls_cert_file="server.pem")
+    with pytest.raises(ValueError, match="url holds credentials"):
+        RedisConfig(url="redis://riptide:secret@h:1/0")
+    with pytest.raises(ValueError, match="expected redis://host:port/db"):
+        RedisConfig(url="http://h:1/0")
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        RedisConfig(password="short")
+
+
+def test_a_redis_without_a_password_is_never_started() -> None:
+    with pytest.raises(ConfigError, match="Redis always requires authentication"):
+        server_config(RedisConfig(), ["127.0.0.1"], Path("/data"))

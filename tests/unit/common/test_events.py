@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import EventsConfig
+from services.common.config import EventsConfig, RedisConfig
 from services.common.errors import InvalidRequest
 from services.common.events import KINDS, Event, EventPublisher, load_episodes, load_events
 from services.testing.redis_server import free_port
@@ -16,7 +16,7 @@ from services.testing.redis_server import free_port
 
 def test_publish_with_redis_down_returns_fast_and_counts_every_drop() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    publisher = EventPublisher(url, "t", "rollout", EventsConfig(queue_size=1000),
+    publisher = EventPublisher(RedisConfig(url=url), "t", "rollout", EventsConfig(queue_size=1000),
                                connect_timeout_s=0.2, retry_after_s=0.05)
     started = time.perf_counter()
     for index in range(10_000):
@@ -29,7 +29,7 @@ def test_publish_with_redis_down_returns_fast_and_counts_every_drop() -> None:
 
 
 def test_disabled_publisher_queues_nothing_and_starts_no_thread() -> None:
-    publisher = EventPublisher("redis://127.0.0.1:1/0", "t", "trainer",
+    publisher = EventPublisher(RedisConfig(url="redis://127.0.0.1:1/0"), "t", "trainer",
                                EventsConfig(enabled=False))
     publisher.publish("trainer.step")
     publisher.publish_episode(lambda: {"sample_id": "s"})
@@ -39,8 +39,8 @@ def test_disabled_publisher_queues_nothing_and_starts_no_thread() -> None:
 
 
 def test_unserializable_or_failing_episode_builder_is_dropped_not_raised() -> None:
-    publisher = EventPublisher(f"redis://127.0.0.1:{free_port()}/0", "t", "sandbox",
-                               EventsConfig(), connect_timeout_s=0.2)
+    nowhere = RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0")
+    publisher = EventPublisher(nowhere, "t", "sandbox", EventsConfig(), connect_timeout_s=0.2)
 
     def broken() -> dict[str, object]:
         raise RuntimeError("decoder failed")

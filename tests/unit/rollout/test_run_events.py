@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.config import EventsConfig
+from services.common.config import EventsConfig, RedisConfig
 from services.common.events import Event, EventPublisher
 from services.rollout.run_events import RolloutEvents
 from services.testing.virtual_clock import run_virtual
@@ -17,7 +17,7 @@ class CapturePublisher(EventPublisher):
     """Keeps what would be written, as validated events."""
 
     def __init__(self) -> None:
-        super().__init__("redis://127.0.0.1:0/0", "t", "rollout", EventsConfig())
+        super().__init__(RedisConfig(), "t", "rollout", EventsConfig())
         self.events: list[Event] = []
 
     def _put(self, item: tuple[str, str, Any]) -> None:

@@ -17,8 +17,9 @@ CONFIG = Path("/shared/run/deploy.toml")
 
 def _config(rollout: dict[str, Any] | None = None, **slurm: Any) -> Any:
     data: dict[str, Any] = {
-        "run": {"admin_token": "a-token-of-some-length"},
-        "redis": {"url": "redis://head:6379/0"},
+        "run": {"admin_token": "a-token-of-some-length", "grpc_token": "a-grpc-token",
+                "engine_api_key": "an-engine-key"},
+        "redis": {"url": "redis://head:6379/0", "password": "a-redis-password-of-length"},
         "rollout": {"host": "head", **(rollout or {}),
                     "fleet": {"kind": "attach", "model_path": "/m/fp8",
                               "attach_urls": ["http://n2:30000", "http://n4:30000"]}},
