@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     for field, flags in _FLAGS.items():
         info = EngineConfig.model_fields[field]
         parser.add_argument(*flags, dest=field, default=None, help=info.description)
+    info = EngineConfig.model_fields["enable_return_routed_experts"]
+    parser.add_argument("--enable-return-routed-experts", dest="enable_return_routed_experts",
+                        action="store_const", const=True, default=None, help=info.description)
     return parser
 
 
@@ -61,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, str | None]
         validate_section(EngineConfig, values, f"{args.config} [engine]")
     if os.environ.get(API_KEY_ENV):  # a launcher's way: not on the command line
         values["api_key"] = os.environ[API_KEY_ENV]
-    values.update({f: getattr(args, f) for f in _FLAGS if getattr(args, f) is not None})
+    flags = [*_FLAGS, "enable_return_routed_experts"]
+    values.update({f: getattr(args, f) for f in flags if getattr(args, f) is not None})
     config = validate_section(EngineConfig, values, "engine")
     if not config.model_path:
         raise ConfigError("engine: --model (or engine.model_path) is required")

@@ -15,6 +15,7 @@ from services.engine.batch_kv import BatchKV
 from services.engine.checkpoint_names import CheckpointNames
 from services.engine.config import EngineConfig
 from services.engine.radix_cache import LayerKV
+from services.engine.routed_experts import RoutedExpertsRecorder
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class ModelRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.parameters = dict(self.model.state_dict(keep_vars=True))
         self.checkpoint_names = CheckpointNames(self.parameters)
+        self.routed_experts = (RoutedExpertsRecorder(self.model)
+                               if config.enable_return_routed_experts else None)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -67,6 +70,8 @@ class ModelRunner:
             cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in prefix])
         ids = torch.tensor([tokens[p:]], device=self.device)
         positions = torch.arange(p, len(tokens), device=self.device)[None, :]
+        if self.routed_experts is not None:
+            self.routed_experts.clear()
         out = self.model(
             input_ids=ids,
             position_ids=positions,
@@ -82,6 +87,8 @@ class ModelRunner:
         positions = torch.tensor(batch.lengths, device=self.device)[:, None]
         mask = batch.extend_mask()
         ids = torch.tensor(last_tokens, device=self.device)[:, None]
+        if self.routed_experts is not None:
+            self.routed_experts.clear()
         out = self.model(
             input_ids=ids,
             position_ids=positions,

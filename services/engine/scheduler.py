@@ -90,8 +90,12 @@ class Scheduler:
         input_logprobs = req.return_logprob and req.logprob_start_len >= 0 and not req.prefilled
         prefix_len, prefix = 0, None
         if not input_logprobs:
-            prefix_len, prefix = self.cache.match_prefix(tokens[:-1])
+            # Positions whose routes are asked for and not yet recorded must be forwarded.
+            end = min(len(tokens) - 1, req.routed_until) if req.return_routed_experts else -1
+            prefix_len, prefix = self.cache.match_prefix(tokens[:end])
         logits, cache = self.runner.prefill(tokens, prefix, all_logits=input_logprobs)
+        if self.runner.routed_experts is not None:
+            req.add_routes(prefix_len, self.runner.routed_experts.take())
         if not req.prefilled:
             req.prefilled = True
             req.cached_tokens = prefix_len
@@ -123,6 +127,10 @@ class Scheduler:
     def _decode(self) -> None:
         last = [req.all_ids[-1] for req in self.running]
         logits = self.runner.decode(last, self.batch)
+        if self.runner.routed_experts is not None:
+            routes = self.runner.routed_experts.take()
+            for i, req in enumerate(self.running):
+                req.add_routes(len(req.all_ids) - 1, routes[i : i + 1])
         tokens, logprobs = sample_tokens(
             logits, [r.params for r in self.running], [r.generator for r in self.running]
         )
