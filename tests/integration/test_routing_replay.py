@@ -55,8 +55,9 @@ def _rollouts(model_dir: Path) -> list[dict[str, Any]]:
         routes = np.frombuffer(raw, dtype="<i4").reshape(-1, NUM_LAYERS, TOP_K)
         output = response["output_ids"]
         assert routes.shape[0] == len(prompt) + len(output) - 1  # every forwarded position
+        logprobs = [lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]]
         out.append({"prompt": prompt, "output": output, "routes": routes.tolist(),
-                    "logprobs": [lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]]})
+                    "logprobs": logprobs})
     return out
 
 
