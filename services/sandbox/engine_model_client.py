@@ -11,6 +11,7 @@ import httpx
 from services._proto.riptide.v1 import common_pb2
 from services.common.engine_contract import bearer
 from services.common.errors import Unavailable
+from services.common.routed_experts import decode_sglang_routes
 from services.common.sampling_params import sampling_params
 from services.sandbox.model_client import GenerateResult
 
@@ -23,9 +24,12 @@ class EngineModelClient:
                                          headers=bearer(api_key))
 
     async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams) -> GenerateResult:
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
         body = {"input_ids": input_ids, "sampling_params": sampling_params(sampling),
                 "return_logprob": True, "rid": session_key}
+        if routed_experts_start is not None:
+            body.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start)
         try:
             resp = await self._client.post("/generate", json=body)
         except httpx.HTTPError as exc:
@@ -39,7 +43,9 @@ class EngineModelClient:
         ids = [int(t) for t in reply.get("output_ids") or []]
         logprobs = [float(item[0]) for item in meta.get("output_token_logprobs") or []]
         version = str(meta.get("weight_version", ""))  # SGLang starts at "default"
-        return GenerateResult(ids, logprobs, reason, int(version) if version.isdigit() else 0)
+        routes = meta.get("routed_experts")
+        return GenerateResult(ids, logprobs, reason, int(version) if version.isdigit() else 0,
+                              routed_experts=decode_sglang_routes(routes) if routes else b"")
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -87,9 +87,12 @@ class EpisodeRunner:
             handle = await self._acquire(task, request.sample_id, timings)
             self.live.update(request.sample_id, state="running", sandbox_id=handle.sandbox_id)
             progress("sandbox_ready", 0, f"{handle.sandbox_id} in {timings.sandbox_create_s:.3f} s")
+            route_shape = ((request.routed_experts_num_layers, request.routed_experts_top_k)
+                           if request.routed_experts_num_layers else None)
             run = await self.agent.run(handle, task.instruction, request.sample_id,
                                        request.sampling_params,
-                                       task.config.agent.timeout_sec, progress, task=task)
+                                       task.config.agent.timeout_sec, progress, task=task,
+                                       route_shape=route_shape)
             timings.generate_s, timings.exec_s = run.generate_s, run.exec_s
             self.live.update(request.sample_id, state="verifying")
             with self.events.span("sandbox.verify", id=request.sample_id,
@@ -194,11 +197,7 @@ def _trajectory(task: Task, request: sandbox_pb2.RunEpisodeRequest, run: AgentRu
         status_message=verdict.message, timings=timings)
     if run is not None:
         trace = run.trace
-        trajectory.prompt_ids.extend(trace.prompt_ids)
-        trajectory.response_ids.extend(trace.response_ids)
-        trajectory.loss_mask.extend(trace.loss_mask)
-        trajectory.rollout_logprobs.extend(trace.logprobs)
-        trajectory.weight_versions.extend(trace.weight_versions)
+        trace.fill(trajectory)
         trajectory.segments.extend(segment.as_segment() for segment in run.extra_segments)
         trajectory.num_turns = run.num_turns
         trajectory.finish_reason = run.finish_reason

@@ -33,7 +33,8 @@ class RecordingModel:
         self.calls: list[tuple[str, list[int], common_pb2.SamplingParams]] = []
 
     async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams) -> GenerateResult:
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
         self.calls.append((session_key, list(input_ids), sampling))
         ids = self.replies[len(self.calls) - 1]
         return GenerateResult(ids, [-0.1 * (i + 1) for i in range(len(ids))], self.finish, 2)
