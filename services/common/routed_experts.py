@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -85,3 +87,26 @@ def unpack_routes(packed: bytes, present_bits: bytes, num_tokens: int, num_layer
     dtype = "u1" if len(packed) == count else "<u2"
     out[present] = np.frombuffer(packed, dtype=dtype).reshape(-1, num_layers, top_k)
     return out
+
+
+def moe_route_shape(model_path: str | Path) -> tuple[int, int] | None:
+    """(MoE layers, experts per token) of the Hugging Face model folder's config.json, as an
+    engine's routes are shaped; None when the model is not MoE (or has no config.json)."""
+    file = Path(model_path) / "config.json"
+    if not file.is_file():
+        return None
+    c = json.loads(file.read_text())
+    c = c.get("text_config", c)
+    num_experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts")
+    top_k = c.get("num_experts_per_tok") or 0
+    if not num_experts or not top_k:
+        return None
+    n = int(c["num_hidden_layers"])
+    if c.get("mlp_layer_types"):
+        moe = [kind == "sparse" for kind in c["mlp_layer_types"]]
+    elif "first_k_dense_replace" in c:
+        moe = [i >= c["first_k_dense_replace"] for i in range(n)]
+    else:  # Qwen-MoE's sparse step and dense-only layers; Mixtral's are all MoE
+        step, dense = c.get("decoder_sparse_step") or 1, set(c.get("mlp_only_layers") or [])
+        moe = [i not in dense and (i + 1) % step == 0 for i in range(n)]
+    return sum(moe), int(top_k)
