@@ -254,8 +254,9 @@ def _shared_prefix_units(rows: list[_Row], budget: int) -> list[_Unit]:
     rows = sorted(rows, key=lambda r: len(r.ids), reverse=True)
     if shared == 0:
         return [_Unit(None, [r]) for r in rows]
+    routed = next((r.routes for r in rows if r.routes is not None), None)  # any sample's
     prefix = _Row(rows[0].ids[:shared], [0] * shared, [0.0] * shared, 0.0,
-                  None if rows[0].routes is None else rows[0].routes[:shared])
+                  None if routed is None else routed[:shared])
     chunks: list[list[_Row]] = []
     used = budget
     for row in rows:
