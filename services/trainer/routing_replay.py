@@ -15,6 +15,7 @@ and stays in force through its backward, so a recomputed forward replays the sam
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ import torch
 from torch import Tensor
 
 from services.common.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,15 +101,16 @@ class RoutingReplay:
         """Replay `routes` [B, S, moe_layers, top_k] (-1: none) in the next forward; None:
         every token routes by itself. Counts the tokens whose next-token log-prob a route
         shapes: every real token but the last of each sequence."""
+        if routes is not None and tuple(routes.shape[2:]) != (self.num_layers, self.top_k):
+            log.warning("routes of %s (MoE layers, top-k) for a model of %s: routing by the "
+                        "model instead", tuple(routes.shape[2:]), (self.num_layers, self.top_k))
+            routes = None
         if routes is None:
             for hook in self.hooks:
                 hook.target = None
             if torch.is_grad_enabled():
                 self.counts.fallback_tokens += sum(max(n - 1, 0) for n in lengths)
             return
-        if tuple(routes.shape[2:]) != (self.num_layers, self.top_k):
-            raise ValueError(f"routes of {tuple(routes.shape[2:])} (MoE layers, top-k) for a "
-                             f"model of {(self.num_layers, self.top_k)}")
         if torch.is_grad_enabled():  # training forwards only: anchors and evals score again
             missing = (routes < 0).any(dim=-1).any(dim=-1).cpu()  # [B, S]
             mask = _needed_mask(lengths, cu_seqlens is not None, tuple(routes.shape[:2]))

@@ -128,3 +128,14 @@ def test_counts_cover_every_real_token_but_each_sequences_last() -> None:
         replay.set_routes(None, [4], None)
     counts = replay.take_counts()
     assert (counts.replayed_tokens, counts.fallback_tokens) == (2, 1 + 3)
+
+
+def test_routes_of_another_model_fall_back_counted() -> None:
+    replay = RoutingReplay.__new__(RoutingReplay)
+    replay.num_layers, replay.top_k, replay.counts = LAYERS, TOP_K, ReplayCounts()
+    hook = RouteReplay(0)
+    hook.target = torch.zeros(3, TOP_K, dtype=torch.long)
+    replay.hooks = [hook]
+    with torch.enable_grad():
+        replay.set_routes(torch.zeros(1, 3, LAYERS + 1, TOP_K, dtype=torch.long), [3], None)
+    assert hook.target is None and replay.take_counts().fallback_tokens == 2
