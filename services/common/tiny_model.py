@@ -9,6 +9,7 @@ layer), the tiny MoE model of the routing-replay tests.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -82,11 +83,14 @@ def create_tiny_model(
     tokenizer = build_tokenizer()
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     vocab_size = (len(tokenizer) + 7) // 8 * 8
-    moe = dict(num_experts=num_experts, num_experts_per_tok=2, norm_topk_prob=False,
-               moe_intermediate_size=intermediate_size // 2,
-               shared_expert_intermediate_size=intermediate_size)
-    config = (Qwen2MoeConfig if num_experts else LlamaConfig)(
-        **(moe if num_experts else {}),
+    config_class: Any = Qwen2MoeConfig if num_experts else LlamaConfig
+    model_class: Any = Qwen2MoeForCausalLM if num_experts else LlamaForCausalLM
+    moe: dict[str, Any] = dict(
+        num_experts=num_experts, num_experts_per_tok=2, norm_topk_prob=False,
+        moe_intermediate_size=intermediate_size // 2,
+        shared_expert_intermediate_size=intermediate_size) if num_experts else {}
+    config = config_class(
+        **moe,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -102,7 +106,7 @@ def create_tiny_model(
         pad_token_id=eos_ids[1],
     )
     torch.manual_seed(seed)
-    model = (Qwen2MoeForCausalLM if num_experts else LlamaForCausalLM)(config)
+    model = model_class(config)
     model.generation_config = GenerationConfig(
         eos_token_id=eos_ids, pad_token_id=eos_ids[1], do_sample=False
     )

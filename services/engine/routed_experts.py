@@ -13,7 +13,7 @@ token but the final output token). Called by model_runner.py, scheduler.py, gene
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -35,7 +35,7 @@ class RoutedExpertsRecorder:
                 "enable_return_routed_experts needs an MoE model: "
                 f"{type(model).__name__} has no top-k router")
         self.num_layers = len(routers)
-        self.top_k = int(routers[0].top_k)
+        self.top_k = int(cast(Any, routers[0]).top_k)
         self._ids: list[torch.Tensor] = []
         for router in routers:
             router.register_forward_hook(self._record)
