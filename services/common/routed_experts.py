@@ -47,21 +47,24 @@ def routes_from_int32(raw: bytes, num_layers: int, top_k: int) -> np.ndarray:
 
 
 def pack_routes(num_tokens: int, chunks: list[RouteChunk]) -> tuple[bytes, bytes]:
-    """(packed routes, presence bitmap) of `num_tokens` tokens from runs of routes (later
-    runs win where they overlap; tokens beyond `num_tokens` are dropped)."""
+    """(packed routes, presence bitmap) of `num_tokens` tokens from runs of routes in token
+    order, not overlapping (tokens beyond `num_tokens` are dropped)."""
     present = np.zeros(num_tokens, dtype=bool)
-    if not chunks:
-        return b"", np.packbits(present, bitorder="little").tobytes()
-    shape = chunks[0][1].shape[1:]
-    dense = np.zeros((num_tokens, *shape), dtype=np.int64)
+    parts: list[np.ndarray] = []
+    shape = chunks[0][1].shape[1:] if chunks else ()
+    end = 0
     for start, ids in chunks:
         if ids.shape[1:] != shape:
             raise InvalidRequest(f"routed experts of shape {ids.shape[1:]} after {shape}")
+        if start < end:
+            raise InvalidRequest(f"routed experts from position {start} overlap those before "
+                                 f"{end}")
         end = min(num_tokens, start + len(ids))
         if end > start:
-            dense[start:end] = ids[: end - start]
+            parts.append(ids[: end - start])
             present[start:end] = True
-    routes = dense[present]
+        end = max(end, start)
+    routes = np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=np.int64)
     if routes.size and (routes.min() < 0 or routes.max() >= 2**16):
         raise InvalidRequest(f"expert ids out of range [0, 65536): {routes.min()}..{routes.max()}")
     dtype = "u1" if not routes.size or routes.max() < 256 else "<u2"
@@ -70,8 +73,8 @@ def pack_routes(num_tokens: int, chunks: list[RouteChunk]) -> tuple[bytes, bytes
 
 def unpack_routes(packed: bytes, present_bits: bytes, num_tokens: int, num_layers: int,
                   top_k: int) -> np.ndarray:
-    """`[num_tokens, num_layers, top_k]` int64 expert ids, -1 on tokens without routes."""
-    out = np.full((num_tokens, num_layers, top_k), -1, dtype=np.int64)
+    """`[num_tokens, num_layers, top_k]` int32 expert ids, -1 on tokens without routes."""
+    out = np.full((num_tokens, num_layers, top_k), -1, dtype=np.int32)
     if not packed:
         return out
     if len(present_bits) != (num_tokens + 7) // 8:

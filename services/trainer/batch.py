@@ -48,7 +48,8 @@ class MicroBatch:
     cu_seqlens: list[int] | None = None  # packed: sequence boundaries 0, len0, len0+len1, ...
     #: packed with shared prefixes: per sequence, the earlier one it continues (-1: none)
     prefix_of: list[int] | None = None
-    #: the engine's routed experts [B, T, moe_layers, top_k] (-1: none; None: no sample has any)
+    #: the engine's routed experts [B, T, moe_layers, top_k] int32 (-1: none; None: no sample
+    #: has any)
     routed_experts: Tensor | None = None
 
     @cached_property
@@ -158,7 +159,7 @@ def _stack_routes(rows: list[_Row], shape: tuple[int, int], packed: bool) -> Ten
     layout = given[0].shape[1:]
     if any(g.shape[1:] != layout for g in given):
         raise InvalidRequest("samples of one batch carry routed experts of different shapes")
-    out = torch.full((*shape, *layout), -1, dtype=torch.long)
+    out = torch.full((*shape, *layout), -1, dtype=torch.int32)
     start = 0
     for i, r in enumerate(rows):
         n = len(r.ids)

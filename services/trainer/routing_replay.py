@@ -63,7 +63,7 @@ class RouteReplay:
         if target.shape != ids.shape:
             raise ValueError(f"MoE layer {self.moe_index}: routes {tuple(target.shape)} for "
                              f"router top-k {tuple(ids.shape)}")
-        target = target.to(ids.device)
+        target = target.to(device=ids.device, dtype=ids.dtype)
         ids = torch.where((target >= 0).all(dim=-1, keepdim=True), target, ids)
         self.last_ids = ids.detach()
         return scores.gather(1, ids), ids

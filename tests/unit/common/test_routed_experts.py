@@ -52,3 +52,8 @@ def test_unpacking_names_what_does_not_fit() -> None:
     with pytest.raises(InvalidRequest, match="out of range"):
         pack_routes(1, [(0, np.full((1, 1, 1), -1))])
     assert (unpack_routes(b"", b"", 3, 2, 2) == -1).all()
+
+
+def test_runs_must_come_in_token_order() -> None:
+    with pytest.raises(InvalidRequest, match="from position 2 overlap those before 4"):
+        pack_routes(8, [(0, np.zeros((4, 1, 1), dtype=int)), (2, np.zeros((2, 1, 1), dtype=int))])
