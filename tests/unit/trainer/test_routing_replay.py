@@ -139,3 +139,16 @@ def test_routes_of_another_model_fall_back_counted() -> None:
     with torch.enable_grad():
         replay.set_routes(torch.zeros(1, 3, LAYERS + 1, TOP_K, dtype=torch.long), [3], None)
     assert hook.target is None and replay.take_counts().fallback_tokens == 2
+
+
+def test_the_step_counts_reach_the_prometheus_counters() -> None:
+    from prometheus_client import REGISTRY
+
+    from services.trainer.stats import StepRecord, TrainerStats
+
+    name = "riptide_trainer_routing_replay_fallback_tokens_total"
+    before = REGISTRY.get_sample_value(name) or 0.0
+    stats = TrainerStats()
+    metrics = {"routing_replay_tokens": 90.0, "routing_replay_fallback_tokens": 7.0}
+    stats.record(StepRecord(1, 0, 1.0, 0.0, 0.0, 0.0, 1, 2, 100, 0.5, 0.0, 0, metrics))
+    assert REGISTRY.get_sample_value(name) == before + 7
