@@ -26,6 +26,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "device": ("--device",),
     "dtype": ("--dtype",),
     "attn_implementation": ("--attn-implementation",),
+    "decode_backend": ("--decode-backend",),
     "num_threads": ("--num-threads",),
     "weight_version": ("--weight-version",),
     "served_model_name": ("--served-model-name",),
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = EngineConfig.model_fields["enable_return_routed_experts"]
     parser.add_argument("--enable-return-routed-experts", dest="enable_return_routed_experts",
                         action="store_const", const=True, default=None, help=info.description)
+    parser.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_const",
+                        const=False, default=None, help="decode without CUDA graphs (as SGLang)")
     return parser
 
 
@@ -66,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, str | None]
         values["api_key"] = os.environ[API_KEY_ENV]
     flags = [*_FLAGS, "enable_return_routed_experts"]
     values.update({f: getattr(args, f) for f in flags if getattr(args, f) is not None})
+    if args.cuda_graph is not None:
+        values["cuda_graph"] = args.cuda_graph
     config = validate_section(EngineConfig, values, "engine")
     if not config.model_path:
         raise ConfigError("engine: --model (or engine.model_path) is required")

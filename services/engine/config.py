@@ -48,6 +48,15 @@ class EngineConfig(StrictModel):
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="transformers attention kernel"
     )
+    decode_backend: Literal["auto", "slots", "transformers"] = Field(
+        "auto",
+        description="running batch: slots (a preallocated KV slot per request, the engine's own "
+        "forward, CUDA graphs on GPU), transformers (the model's forward over a left-padded "
+        "cache); auto: slots on CUDA for Llama/Qwen2/Qwen3-style models, else transformers",
+    )
+    cuda_graph: bool = Field(
+        True, description="capture the slots decode step as CUDA graphs (per batch and KV width)"
+    )
     weight_version: str = Field("default", description="weight version reported at start")
     served_model_name: str | None = Field(None, description="model name in metrics and info")
     random_seed: int = Field(0, description="seed of sampling for requests without sampling_seed")

@@ -22,6 +22,7 @@ from services.common.errors import InvalidRequest
 from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics
 from services.engine.model_runner import ModelRunner
+from services.engine.random_stream import RandomStream
 from services.engine.request import GenRequest
 from services.engine.scheduler import Scheduler
 
@@ -93,9 +94,7 @@ class Engine:
                 f"routed_dp_rank {req.dp_rank} out of range: dp_size is {len(self.schedulers)}"
             )
         seed = req.params.sampling_seed
-        req.generator = torch.Generator().manual_seed(
-            seed if seed is not None else self._rng.getrandbits(63)
-        )
+        req.generator = RandomStream(seed if seed is not None else self._rng.getrandbits(63))
         self.schedulers[req.dp_rank].waiting.append(req)
 
     def pause(self, mode: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (
@@ -31,6 +33,7 @@ class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self._children: dict[str, Any] = {}
         labels = ["model_name"]
         rank_labels = ["model_name", "dp_rank"]
 
@@ -83,10 +86,27 @@ class EngineMetrics:
 
     def count(self, name: str, amount: float = 1.0) -> None:
         if amount:
-            getattr(self, name).labels(self.model_name).inc(amount)
+            self._child(name).inc(amount)
 
-    def observe(self, name: str, seconds: float) -> None:
-        getattr(self, name).labels(self.model_name).observe(seconds)
+    def observe(self, name: str, seconds: float, count: int = 1) -> None:
+        """Observe `seconds` `count` times (one lock and bucket search, as SGLang does)."""
+        child = self._child(name)
+        if count == 1:
+            child.observe(seconds)
+            return
+        # prometheus_client observes one value at a time; a decode step has many equal ones.
+        child._sum.inc(seconds * count)
+        for index, bound in enumerate(child._upper_bounds):
+            if seconds <= bound:
+                child._buckets[index].inc(count)
+                break
+
+    def _child(self, name: str) -> Any:
+        """The model's labelled series of `name`, looked up once (decode calls it per token)."""
+        child = self._children.get(name)
+        if child is None:
+            child = self._children[name] = getattr(self, name).labels(self.model_name)
+        return child
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,12 +10,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from services.common.errors import InvalidRequest
+from services.common.errors import ConfigError, InvalidRequest
 from services.engine.batch_kv import BatchKV
 from services.engine.checkpoint_names import CheckpointNames
 from services.engine.config import EngineConfig
 from services.engine.radix_cache import LayerKV
 from services.engine.routed_experts import RoutedExpertsRecorder
+from services.engine.slot_model import choose_decode_backend
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,27 @@ class ModelRunner:
         self.eos_token_ids = self._eos_ids()
         model_limit = getattr(self.model.config, "max_position_embeddings", None) or 32768
         self.context_len = config.max_context_len or model_limit
+        self.decode_backend = choose_decode_backend(config.decode_backend, self.model, self.device)
+        if self.decode_backend == "slots":
+            # A slot holds one request's whole sequence: that is the context this engine serves.
+            self.slot_len = min(
+                self.context_len, config.max_total_num_tokens // config.max_running_requests
+            )
+            if self.slot_len < 2:
+                raise ConfigError(
+                    f"engine: max_total_num_tokens {config.max_total_num_tokens} over "
+                    f"max_running_requests {config.max_running_requests} leaves KV slots of "
+                    f"{self.slot_len} tokens: raise max_total_num_tokens"
+                )
+            self.context_len = self.slot_len
+        log.info("decode backend: %s", self.decode_backend)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.parameters = dict(self.model.state_dict(keep_vars=True))
         self.checkpoint_names = CheckpointNames(self.parameters)
+        if config.enable_return_routed_experts and self.decode_backend == "slots":
+            raise ConfigError("enable_return_routed_experts needs the transformers decode backend "
+                              "(engine.decode_backend = \"transformers\"): the slot backend does "
+                              "not record routes yet")
         self.routed_experts = (RoutedExpertsRecorder(self.model)
                                if config.enable_return_routed_experts else None)
 
@@ -79,6 +98,8 @@ class ModelRunner:
             logits_to_keep=0 if all_logits else 1,
             **{self._cache_arg: cache},
         )
+        if self.routed_experts is not None:
+            self.routed_experts.finish_forward()
         return out.logits[0], cache
 
     @torch.inference_mode()
@@ -96,6 +117,8 @@ class ModelRunner:
             use_cache=True,
             **{self._cache_arg: batch.cache},
         )
+        if self.routed_experts is not None:
+            self.routed_experts.finish_forward()
         return out.logits[:, -1, :]
 
     def decode_text(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -29,7 +29,7 @@ def _slice(kv: LayerKV, start: int, end: int | None = None) -> LayerKV:
     return [(k[:, start:end], v[:, start:end]) for k, v in kv]
 
 
-def _common_len(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -49,13 +49,25 @@ class RadixCache:
         self.root = _Node(key=[], kv=[], parent=None)
         self.num_tokens = 0
 
+    def match_len(self, tokens: list[int]) -> int:
+        """Length of the longest cached prefix of `tokens` (no KV gathered, no LRU touch)."""
+        node, pos = self.root, 0
+        while pos < len(tokens) and tokens[pos] in node.children:
+            child = node.children[tokens[pos]]
+            common = common_prefix_len(child.key, tokens[pos:])
+            pos += common
+            if common < len(child.key):
+                break
+            node = child
+        return pos
+
     def match_prefix(self, tokens: list[int]) -> tuple[int, LayerKV | None]:
         """Longest cached prefix of `tokens`: (its length, per-layer KV [H, n, D] or None)."""
         node, pos, pieces = self.root, 0, []
         now = next(self._clock)
         while pos < len(tokens) and tokens[pos] in node.children:
             child = node.children[tokens[pos]]
-            common = _common_len(child.key, tokens[pos:])
+            common = common_prefix_len(child.key, tokens[pos:])
             child.last_access = now
             pieces.append(child.kv if common == len(child.key) else _slice(child.kv, 0, common))
             pos += common
@@ -91,7 +103,7 @@ class RadixCache:
                 node.children[tokens[pos]] = leaf
                 self.num_tokens += len(leaf.key)
                 break
-            common = _common_len(child.key, tokens[pos:])
+            common = common_prefix_len(child.key, tokens[pos:])
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = now

@@ -10,12 +10,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidRequest
+from services.engine.random_stream import RandomStream
 from services.engine.routed_experts import encode_routed_experts
+
+if TYPE_CHECKING:
+    import torch
 
 # SGLang parameters accepted only at their neutral value (the built-in engine does not implement
 # them); anything else is a 400 rather than a silently different distribution.
@@ -171,7 +173,7 @@ class GenRequest:
     num_retractions: int = 0
     prefilled: bool = False
     finish_reason: dict[str, Any] | None = None
-    generator: torch.Generator | None = None
+    generator: RandomStream | None = None  # set by the engine at submit
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None

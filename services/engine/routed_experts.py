@@ -37,6 +37,7 @@ class RoutedExpertsRecorder:
         self.num_layers = len(routers)
         self.top_k = int(cast(Any, routers[0]).top_k)
         self._ids: list[torch.Tensor] = []
+        self._forwards: list[torch.Tensor] = []
         for router in routers:
             router.register_forward_hook(self._record)
 
@@ -44,16 +45,21 @@ class RoutedExpertsRecorder:
         self._ids.append(output[-1].detach())
 
     def clear(self) -> None:
+        """Start a forward (what a failed one left behind is dropped)."""
         self._ids = []
 
-    def take(self) -> torch.Tensor:
-        """`[tokens, moe_layers, top_k]` int32 (on the CPU) of the last forward."""
+    def finish_forward(self) -> None:
+        """A forward ended: keep its routes `[tokens, moe_layers, top_k]` for `take_all`."""
         if len(self._ids) != self.num_layers:
             raise RuntimeError(f"recorded {len(self._ids)} MoE layers, the model has "
                                f"{self.num_layers}")
-        ids = torch.stack(self._ids, dim=1).to(device="cpu", dtype=torch.int32)
+        self._forwards.append(torch.stack(self._ids, dim=1).to(device="cpu", dtype=torch.int32))
         self._ids = []
-        return ids
+
+    def take_all(self) -> list[torch.Tensor]:
+        """The routes of each forward since the last call, in order."""
+        forwards, self._forwards = self._forwards, []
+        return forwards
 
 
 def encode_routed_experts(rows: list[torch.Tensor]) -> str:

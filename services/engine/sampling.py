@@ -11,13 +11,14 @@ from collections.abc import Sequence
 
 import torch
 
+from services.engine.random_stream import RandomStream
 from services.engine.request import SamplingParams
 
 
 def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[RandomStream | torch.Generator | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of `logits` [B, V]; returns (token ids [B], their log-probs [B])."""
     logits = biased(logits.float(), params)
@@ -28,7 +29,7 @@ def sample_tokens(
     rows = [i for i in range(batch) if not params[i].greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
-        uniforms = torch.stack([torch.rand((), generator=generators[i]) for i in rows])
+        uniforms = torch.tensor([_uniform(generators[i]) for i in rows])
         picked = sample_filtered(
             logprobs.index_select(0, index).exp(),
             top_k=[params[i].top_k for i in rows],
@@ -39,6 +40,12 @@ def sample_tokens(
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return tokens, chosen
+
+
+def _uniform(source: RandomStream | torch.Generator | None) -> float:
+    if isinstance(source, RandomStream):
+        return source.next_uniform()
+    return float(torch.rand((), generator=source))
 
 
 def biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -74,6 +81,12 @@ def sample_filtered(
 ) -> torch.Tensor:
     """Inverse-CDF sampling from `probs` [R, V] restricted to each row's top-k and top-p set."""
     rows, vocab = probs.shape
+    if all(kk < 0 or kk >= vocab for kk in top_k) and all(pp >= 1.0 for pp in top_p):
+        # Nothing to filter: invert the CDF in vocabulary order (no sort of the whole vocab).
+        cdf = probs.cumsum(dim=-1)
+        cdf = cdf / cdf[:, -1:]
+        picked = torch.searchsorted(cdf, uniforms[:, None].to(cdf.dtype), right=True)
+        return picked.clamp(max=vocab - 1).squeeze(1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=probs.device)[None, :]
     k = torch.tensor([vocab if kk < 0 else min(kk, vocab) for kk in top_k], device=probs.device)

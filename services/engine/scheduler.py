@@ -9,20 +9,22 @@ from its one thread.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from services.engine.batch_kv import BatchKV, cache_layers
 from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics
 from services.engine.model_runner import ModelRunner
-from services.engine.radix_cache import RadixCache
+from services.engine.radix_cache import RadixCache, common_prefix_len
 from services.engine.request import GenRequest
+from services.engine.running_batch import make_running_batch
 from services.engine.sampling import biased, sample_tokens, scaled_logprobs, top_logprobs
 from services.engine.stopping import check_stop
+
+MIN_SHARED_PREFIX = 16  # uncached tokens two prompts must share for one to wait for the other
 
 
 class Scheduler:
@@ -43,7 +45,7 @@ class Scheduler:
         self._weight_version = weight_version  # shared one-item list, updated by the engine
         self.waiting: deque[GenRequest] = deque()
         self.running: list[GenRequest] = []
-        self.batch = BatchKV()
+        self.batch = make_running_batch(runner, config)
         self.cache = RadixCache(config.prefix_cache_num_tokens)
         self.num_generated = 0
 
@@ -67,78 +69,149 @@ class Scheduler:
         return admitted or bool(self.running)
 
     def _admit(self) -> bool:
+        picked = self._pick()
+        if not picked:
+            return False
+        try:
+            prefilled = self._prefill(picked)
+        except BaseException:  # back in the queue, where the engine's abort finds them
+            self.waiting.extendleft(reversed(picked))
+            raise
         rows = []
-        budget = self.config.max_total_num_tokens - self.num_used_tokens
-        while self.waiting and len(self.running) < self.config.max_running_requests:
-            need = len(self.waiting[0].all_ids) + 1
-            if self.running and need > budget:
-                break
-            req = self.waiting.popleft()
-            cache, length = self._prefill(req)
+        for req, (pending, length) in zip(picked, prefilled, strict=True):
             if req.finished:
-                self._finish(req, [(k[0], v[0]) for k, v in cache_layers(cache)], length)
+                self._finish(req, self.batch.pending_row(pending), length)
+                self.batch.discard(pending)
                 continue
-            budget -= length + 1
-            rows.append((cache, length))
+            rows.append(pending)
             self.running.append(req)
         if rows:
             self.batch.add_rows(rows)
-        return bool(rows)
+        return True
 
-    def _prefill(self, req: GenRequest) -> tuple[Any, int]:
-        tokens = req.all_ids
-        input_logprobs = req.return_logprob and req.logprob_start_len >= 0 and not req.prefilled
-        prefix_len, prefix = 0, None
-        if not input_logprobs:
-            # Positions whose routes are asked for and not yet recorded must be forwarded.
-            end = min(len(tokens) - 1, req.routed_until) if req.return_routed_experts else -1
-            prefix_len, prefix = self.cache.match_prefix(tokens[:end])
-        logits, cache = self.runner.prefill(tokens, prefix, all_logits=input_logprobs)
-        if self.runner.routed_experts is not None:
-            req.add_routes(prefix_len, self.runner.routed_experts.take())
-        if not req.prefilled:
-            req.prefilled = True
-            req.cached_tokens = prefix_len
-            self.metrics.observe("queue_time", time.perf_counter() - req.created_at)
-            self.metrics.count("prompt_tokens", len(req.input_ids))
-            self.metrics.count("cached_tokens", prefix_len)
-            self.metrics.set_rank(
-                self.dp_rank, cache_hit_rate=prefix_len / max(1, len(req.input_ids))
+    def _pick(self) -> list[GenRequest]:
+        """The waiting requests to prefill together now, within the slot and token budgets.
+
+        A request that shares an uncached prefix with one already picked waits one step: the
+        first one's prefill puts the prefix into the cache, and the rest reuse it."""
+        picked: list[GenRequest] = []
+        budget = self.config.max_total_num_tokens - self.num_used_tokens
+        deferred = []
+        while self.waiting and len(self.running) + len(picked) < self.config.max_running_requests:
+            req = self.waiting[0]
+            need = len(req.all_ids) + 1
+            if (self.running or picked) and need > budget:
+                break
+            self.waiting.popleft()
+            if picked and self._shares_uncached_prefix(req, picked):
+                deferred.append(req)
+                continue
+            picked.append(req)
+            budget -= need
+        self.waiting.extendleft(reversed(deferred))
+        return picked
+
+    def _shares_uncached_prefix(self, req: GenRequest, picked: list[GenRequest]) -> bool:
+        tokens = req.all_ids[:-1]
+        shared = max(common_prefix_len(tokens, other.all_ids) for other in picked)
+        return shared >= MIN_SHARED_PREFIX and shared > self.cache.match_len(tokens)
+
+    def _prefill(self, reqs: list[GenRequest]) -> list[tuple[Any, int]]:
+        """Compute the requests' prompt KV into pending rows and sample their first tokens."""
+        jobs = []
+        for req in reqs:
+            tokens = req.all_ids
+            input_logprobs = (req.return_logprob and req.logprob_start_len >= 0
+                              and not req.prefilled)
+            prefix_len, prefix = 0, None
+            if not input_logprobs:
+                # Positions whose routes are asked for and not yet recorded must be forwarded.
+                end = min(len(tokens) - 1, req.routed_until) if req.return_routed_experts else -1
+                prefix_len, prefix = self.cache.match_prefix(tokens[:end])
+            jobs.append((tokens, prefix, input_logprobs, prefix_len))
+        results = self.batch.prefill([(tokens, prefix, every) for tokens, prefix, every, _ in jobs])
+        if self.runner.routed_experts is not None:  # one forward per job (padded batch)
+            for req, job, routes in zip(reqs, jobs, self.runner.routed_experts.take_all(),
+                                        strict=True):
+                req.add_routes(job[3], routes)
+        try:
+            self._first_tokens(reqs, jobs, results)
+        except BaseException:  # the rows never join: give their KV back before the error rises
+            for _, pending in results:
+                self.batch.discard(pending)
+            raise
+        return [(pending, len(job[0])) for (_, pending), job in zip(results, jobs, strict=True)]
+
+    def _first_tokens(self, reqs: list[GenRequest], jobs: list[Any], results: list[Any]
+                      ) -> None:
+        """Prefill bookkeeping per request (metrics, input log-probs, prefix cache), then the
+        first output token of each, sampled together."""
+        sampled = []
+        for req, (tokens, _, input_logprobs, prefix_len), (logits, pending) in zip(
+            reqs, jobs, results, strict=True
+        ):
+            self._record_prefill(req, prefix_len)
+            if input_logprobs:
+                self._input_logprobs(req, tokens, logits)
+            self.cache.insert(tokens, self.batch.pending_row(pending))
+            if req.params.max_new_tokens == 0:
+                req.finish_reason = {"type": "length", "length": 0}
+            else:
+                sampled.append((req, logits[-1:]))
+        if sampled:
+            reqs_out = [req for req, _ in sampled]
+            last = torch.cat([logits for _, logits in sampled])
+            tokens_out, logprobs = sample_tokens(
+                last, [r.params for r in reqs_out], [r.generator for r in reqs_out]
             )
-        if input_logprobs:
-            logprobs = torch.log_softmax(logits.float()[:-1], dim=-1)
-            chosen = logprobs.gather(1, torch.tensor(tokens[1:])[:, None].to(logits.device))
-            values: list[float | None] = [None, *chosen.squeeze(1).tolist()]
-            req.input_logprobs = values[req.logprob_start_len :]
-            if req.top_logprobs_num:
-                tops: list[list[tuple[float, int]] | None] = [None]
-                tops += top_logprobs(logprobs, req.top_logprobs_num)
-                req.input_top_logprobs = tops[req.logprob_start_len :]
-        row = [(k[0], v[0]) for k, v in cache_layers(cache)]
-        self.cache.insert(tokens, row)
-        if req.params.max_new_tokens == 0:
-            req.finish_reason = {"type": "length", "length": 0}
-        else:
-            token, logprob = sample_tokens(logits[-1:], [req.params], [req.generator])
-            tops = self._top_logprobs(logits[-1:], [req])
-            self._append(req, int(token[0]), float(logprob[0]), tops[0])
-        return cache, len(tokens)
+            tops = self._top_logprobs(last, reqs_out)
+            for req, token, logprob, top in zip(
+                reqs_out, tokens_out.tolist(), logprobs.tolist(), tops, strict=True
+            ):
+                self._append(req, token, logprob, top)
+
+    def _record_prefill(self, req: GenRequest, prefix_len: int) -> None:
+        if req.prefilled:
+            return
+        req.prefilled = True
+        req.cached_tokens = prefix_len
+        self.metrics.observe("queue_time", time.perf_counter() - req.created_at)
+        self.metrics.count("prompt_tokens", len(req.input_ids))
+        self.metrics.count("cached_tokens", prefix_len)
+        self.metrics.set_rank(self.dp_rank, cache_hit_rate=prefix_len / max(1, len(req.input_ids)))
+
+    @staticmethod
+    def _input_logprobs(req: GenRequest, tokens: list[int], logits: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(logits.float()[:-1], dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(tokens[1:])[:, None].to(logits.device))
+        values: list[float | None] = [None, *chosen.squeeze(1).tolist()]
+        req.input_logprobs = values[req.logprob_start_len :]
+        if req.top_logprobs_num:
+            tops: list[list[tuple[float, int]] | None] = [None]
+            tops += top_logprobs(logprobs, req.top_logprobs_num)
+            req.input_top_logprobs = tops[req.logprob_start_len :]
 
     def _decode(self) -> None:
-        last = [req.all_ids[-1] for req in self.running]
-        logits = self.runner.decode(last, self.batch)
+        last = [(req.output_ids or req.input_ids)[-1] for req in self.running]
+        logits = self.batch.decode(last)
         if self.runner.routed_experts is not None:
-            routes = self.runner.routed_experts.take()
+            (routes,) = self.runner.routed_experts.take_all()
             for i, req in enumerate(self.running):
                 req.add_routes(len(req.all_ids) - 1, routes[i : i + 1])
         tokens, logprobs = sample_tokens(
             logits, [r.params for r in self.running], [r.generator for r in self.running]
         )
         tops = self._top_logprobs(logits, self.running)
+        now = time.perf_counter()
+        intervals: Counter[float] = Counter()  # rows of one step mostly share their interval
         for req, token, logprob, top in zip(
             self.running, tokens.tolist(), logprobs.tolist(), tops, strict=True
         ):
-            self._append(req, token, logprob, top)
+            if req.last_token_at is not None:
+                intervals[now - req.last_token_at] += 1
+            self._append(req, token, logprob, top, now)
+        for interval, count in intervals.items():
+            self.metrics.observe("itl", interval, count)
         self._release([i for i, req in enumerate(self.running) if req.finished])
 
     @staticmethod
@@ -155,13 +228,15 @@ class Scheduler:
                 for r, top in zip(reqs, tops, strict=True)]
 
     def _append(self, req: GenRequest, token: int, logprob: float,
-                top: list[tuple[float, int]] | None = None) -> None:
-        now = time.perf_counter()
+                top: list[tuple[float, int]] | None = None, now: float | None = None) -> None:
+        """Add one output token to `req` (decode observes the inter-token latency in bulk)."""
+        if now is None:
+            now = time.perf_counter()
+            if req.last_token_at is not None:
+                self.metrics.observe("itl", now - req.last_token_at)
         if req.first_token_at is None:
             req.first_token_at = now
             self.metrics.observe("ttft", now - req.created_at)
-        elif req.last_token_at is not None:
-            self.metrics.observe("itl", now - req.last_token_at)
         req.last_token_at = now
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)

@@ -43,3 +43,26 @@ def test_bad_settings_are_config_errors(argv: list[str]) -> None:
 def test_unknown_keys_are_rejected() -> None:
     with pytest.raises(ValueError):
         EngineConfig.model_validate({"max_runing_requests": 3})
+
+
+def test_decode_backend_and_cuda_graph_flags() -> None:
+    config, _ = parse_args(["--model", "/m", "--decode-backend", "slots", "--disable-cuda-graph"])
+    assert config.decode_backend == "slots" and config.cuda_graph is False
+    config, _ = parse_args(["--model", "/m"])
+    assert config.decode_backend == "auto" and config.cuda_graph is True
+    with pytest.raises(ConfigError, match="decode_backend"):
+        parse_args(["--model", "/m", "--decode-backend", "vllm"])
+
+
+def test_slots_need_room_for_a_sequence(tmp_path: Path) -> None:
+    from services.common.tiny_model import create_tiny_model
+    from services.engine.model_runner import ModelRunner
+
+    path = create_tiny_model(tmp_path / "tiny")
+    with pytest.raises(ConfigError, match="raise max_total_num_tokens"):
+        ModelRunner(EngineConfig(model_path=str(path), decode_backend="slots",
+                                 max_total_num_tokens=64, max_running_requests=64))
+    runner = ModelRunner(EngineConfig(model_path=str(path), decode_backend="slots",
+                                      max_total_num_tokens=4096, max_running_requests=16))
+    assert runner.context_len == 256  # one slot: 4096 tokens over 16 requests
+    assert ModelRunner(EngineConfig(model_path=str(path))).decode_backend == "transformers"

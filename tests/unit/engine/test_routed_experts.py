@@ -32,7 +32,9 @@ def _whole_sequence_routes(model_path: Path, ids: list[int]) -> np.ndarray:
     recorder = RoutedExpertsRecorder(model)
     with torch.no_grad():
         model(torch.tensor([ids]))
-    return recorder.take().numpy()
+    recorder.finish_forward()
+    (routes,) = recorder.take_all()
+    return routes.numpy()
 
 
 def _routes(req: GenRequest, engine: Engine) -> np.ndarray:

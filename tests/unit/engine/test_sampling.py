@@ -98,3 +98,18 @@ def test_logit_bias_moves_greedy_and_logprobs() -> None:
 def test_stream_interval_and_n_are_accepted() -> None:
     params = SamplingParams.parse({"stream_interval": 4, "n": 3})
     assert params.n == 3
+
+
+def test_random_streams_depend_only_on_their_seed() -> None:
+    from services.engine.random_stream import BLOCK, RandomStream
+
+    logits = torch.randn(3, 50, generator=gen(0))
+    params = [SamplingParams(temperature=1.0)] * 3
+    batched = [RandomStream(s) for s in (7, 8, 9)]
+    alone = RandomStream(8)
+    for _ in range(BLOCK + 5):  # across a block boundary
+        together, _ = sample_tokens(logits, params, batched)
+        single, _ = sample_tokens(logits[1:2], params[:1], [alone])
+        assert together[1] == single[0]
+    draws = [RandomStream(3).next_uniform() for _ in range(2)]
+    assert draws[0] == draws[1] and 0.0 <= draws[0] < 1.0

@@ -1,0 +1,143 @@
+"""The running batch over KV slots: prefill writes a request's KV into its own slot, decode
+runs every row in one step (a CUDA graph replay on GPU), rows leave by freeing their slot.
+
+Implements `running_batch.RunningBatch` for the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.engine.decode_graphs import DecodeGraphs, width_bucket
+from services.engine.model_runner import ModelRunner
+from services.engine.radix_cache import LayerKV
+from services.engine.slot_kv import SlotKV
+from services.engine.slot_model import PrefillRow, SlotModel
+
+log = logging.getLogger(__name__)
+
+
+PrefillJob = tuple[list[int], LayerKV | None, bool]  # tokens, cached prefix, all logits?
+PIECE_TOKENS = 1024  # longest prompt piece in one forward
+CHUNK_CELLS = 1 << 25  # most rows x tokens x width in one prefill forward (attention scores)
+
+
+def _chunks(rows: list[tuple[int, PrefillRow]]) -> list[list[tuple[int, PrefillRow]]]:
+    """Consecutive groups of rows whose padded attention stays within CHUNK_CELLS."""
+    chunks: list[list[tuple[int, PrefillRow]]] = []
+    tokens = width = 0
+    for item in rows:
+        row = item[1]
+        n, w = max(tokens, len(row.tokens)), max(width, row.start + len(row.tokens))
+        if chunks and (len(chunks[-1]) + 1) * n * w <= CHUNK_CELLS:
+            chunks[-1].append(item)
+            tokens, width = n, w
+        else:
+            chunks.append([item])
+            tokens, width = len(row.tokens), row.start + len(row.tokens)
+    return chunks
+
+
+class SlotBatch:
+    """Rows are (slot, length); lengths count the tokens whose KV the slot holds."""
+
+    def __init__(self, runner: ModelRunner, num_slots: int, slot_len: int, cuda_graph: bool
+                 ) -> None:
+        config = runner.model.config
+        attn = runner.model.model.layers[0].self_attn
+        self.kv = SlotKV(
+            num_layers=config.num_hidden_layers,
+            num_slots=num_slots,
+            slot_len=slot_len,
+            kv_heads=config.num_key_value_heads,
+            head_dim=attn.head_dim,
+            dtype=runner.dtype,
+            device=runner.device,
+        )
+        self.model = SlotModel(runner.model, self.kv)
+        use_graphs = cuda_graph and runner.device.type == "cuda"
+        self.graphs = DecodeGraphs(self.model, num_slots) if use_graphs else None
+        self.slots: list[int] = []
+        self.lengths: list[int] = []
+        log.info("KV slots: %d x %d tokens, %.2f GiB", num_slots, slot_len,
+                 self.kv.num_bytes / 2**30)
+        if self.graphs is not None:
+            seconds = self.graphs.capture_all()
+            log.info("captured %d decode CUDA graphs in %.1f s", self.graphs.num_graphs, seconds)
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    def prefill(self, jobs: list[PrefillJob]) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+        """Forward each job's tokens (its first len(prefix) already computed) into a fresh
+        slot: all jobs together, long prompts piece by piece; (logits, pending row) each."""
+        slots: list[int] = []
+        try:
+            for _, prefix, _ in jobs:
+                slots.append(self.kv.allocate())
+                if prefix is not None:
+                    self.kv.write(slots[-1], prefix)
+            logits = self._prefill_pieces(jobs, slots)
+        except BaseException:
+            for slot in slots:
+                self.kv.release(slot)
+            raise
+        return [(out, (slot, len(tokens)))
+                for out, slot, (tokens, _, _) in zip(logits, slots, jobs, strict=True)]
+
+    def _prefill_pieces(self, jobs: list[PrefillJob], slots: list[int]) -> list[torch.Tensor]:
+        starts = [0 if prefix is None else prefix[0][0].shape[1] for _, prefix, _ in jobs]
+        parts: list[list[torch.Tensor]] = [[] for _ in jobs]
+        while True:
+            rows = [(i, PrefillRow(slots[i], tokens[starts[i] : starts[i] + PIECE_TOKENS],
+                                   starts[i], all_logits))
+                    for i, (tokens, _, all_logits) in enumerate(jobs)
+                    if starts[i] < len(tokens)]
+            if not rows:
+                return [torch.cat(p) for p in parts]
+            for chunk in _chunks(rows):
+                outs = self.model.prefill([row for _, row in chunk])
+                for (i, row), out in zip(chunk, outs, strict=True):
+                    parts[i] = [*parts[i], out] if row.all_logits else [out]
+                    starts[i] += len(row.tokens)
+
+    def pending_row(self, pending: tuple[int, int]) -> LayerKV:
+        return self.kv.row(*pending)
+
+    def discard(self, pending: tuple[int, int]) -> None:
+        self.kv.release(pending[0])
+
+    def add_rows(self, pending: list[tuple[int, int]]) -> None:
+        self.slots += [slot for slot, _ in pending]
+        self.lengths += [length for _, length in pending]
+
+    @torch.inference_mode()
+    def decode(self, last_tokens: list[int]) -> torch.Tensor:
+        """One decode step for every row; returns logits [B, V]."""
+        width = width_bucket(max(self.lengths) + 1, self.kv.slot_len)
+        if self.graphs is not None:
+            logits = self.graphs.run(last_tokens, self.lengths, self.slots, width)
+        else:
+            device = self.model.cos.device
+            logits = self.model.decode(
+                torch.tensor(last_tokens, device=device),
+                torch.tensor(self.lengths, device=device),
+                torch.tensor(self.slots, device=device),
+                width,
+            )
+        self.lengths = [n + 1 for n in self.lengths]
+        return logits
+
+    def row(self, index: int) -> LayerKV:
+        return self.kv.row(self.slots[index], self.lengths[index])
+
+    def keep_rows(self, indices: list[int]) -> None:
+        kept = set(indices)
+        for index, slot in enumerate(self.slots):
+            if index not in kept:
+                self.kv.release(slot)
+        self.slots = [self.slots[i] for i in indices]
+        self.lengths = [self.lengths[i] for i in indices]

@@ -1,0 +1,69 @@
+"""Preallocated KV storage: one fixed slot per running request, allocated once at start.
+
+Per layer, keys and values are [num_slots + 1, kv_heads, slot_len, head_dim]. A request owns
+one slot from prefill to finish, so decode writes each new token's keys and values in place
+and nothing is ever concatenated, padded or copied between rows. The extra last slot is a
+sink: padded rows of a batch bucket and padding tokens of a prefill write there, so their
+writes never touch a real request's slot. Storage starts zeroed (masked-out columns must hold
+finite numbers: attention multiplies them by zero weights).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.errors import Unavailable
+from services.engine.radix_cache import LayerKV
+
+
+class SlotKV:
+    """The KV slots of one dp rank and the free list that hands them out."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        slot_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_slots + 1, kv_heads, slot_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.slot_len = slot_len
+        self.sink = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise Unavailable(f"all {self.num_slots} KV slots are in use")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._free.append(slot)
+
+    def write(self, slot: int, kv: LayerKV) -> None:
+        """Copy per-layer KV [H, n, D] (a cached prefix) into the first n columns of `slot`."""
+        for keys, values, (k, v) in zip(self.keys, self.values, kv, strict=True):
+            n = k.shape[1]
+            keys[slot, :, :n] = k
+            values[slot, :, :n] = v
+
+    def row(self, slot: int, length: int) -> LayerKV:
+        """The first `length` tokens of `slot`, per layer [H, length, D] (views)."""
+        return [(k[slot, :, :length], v[slot, :, :length])
+                for k, v in zip(self.keys, self.values, strict=True)]
