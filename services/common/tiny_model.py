@@ -1,12 +1,15 @@
 """A tiny random Llama-style model with a local byte-level tokenizer (no download).
 
 It is the default model of the local stack and of the tests: small enough to run fast on a
-laptop CPU, but a real transformers checkpoint that any engine can load.
+laptop CPU, but a real transformers checkpoint that any engine can load. With
+`num_experts` it is a Qwen2-MoE model instead (top-2 routed experts and a shared expert per
+layer), the tiny MoE model of the routing-replay tests.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -62,17 +65,32 @@ def create_tiny_model(
     intermediate_size: int = 128,
     max_position_embeddings: int = 4096,
     seed: int = 0,
+    num_experts: int = 0,
 ) -> Path:
-    """Write a random Llama-style causal LM with a byte-level tokenizer to `path`; returns it."""
+    """Write a random Llama-style causal LM (Qwen2-MoE with `num_experts`) with a byte-level
+    tokenizer to `path`; returns it."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+    )
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     vocab_size = (len(tokenizer) + 7) // 8 * 8
-    config = LlamaConfig(
+    config_class: Any = Qwen2MoeConfig if num_experts else LlamaConfig
+    model_class: Any = Qwen2MoeForCausalLM if num_experts else LlamaForCausalLM
+    moe: dict[str, Any] = dict(
+        num_experts=num_experts, num_experts_per_tok=2, norm_topk_prob=False,
+        moe_intermediate_size=intermediate_size // 2,
+        shared_expert_intermediate_size=intermediate_size) if num_experts else {}
+    config = config_class(
+        **moe,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -88,7 +106,7 @@ def create_tiny_model(
         pad_token_id=eos_ids[1],
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     model.generation_config = GenerationConfig(
         eos_token_id=eos_ids, pad_token_id=eos_ids[1], do_sample=False
     )

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     for field, flags in _FLAGS.items():
         info = EngineConfig.model_fields[field]
         parser.add_argument(*flags, dest=field, default=None, help=info.description)
+    info = EngineConfig.model_fields["enable_return_routed_experts"]
+    parser.add_argument("--enable-return-routed-experts", dest="enable_return_routed_experts",
+                        action="store_const", const=True, default=None, help=info.description)
     parser.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_const",
                         const=False, default=None, help="decode without CUDA graphs (as SGLang)")
     return parser
@@ -64,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, str | None]
         validate_section(EngineConfig, values, f"{args.config} [engine]")
     if os.environ.get(API_KEY_ENV):  # a launcher's way: not on the command line
         values["api_key"] = os.environ[API_KEY_ENV]
-    values.update({f: getattr(args, f) for f in _FLAGS if getattr(args, f) is not None})
+    flags = [*_FLAGS, "enable_return_routed_experts"]
+    values.update({f: getattr(args, f) for f in flags if getattr(args, f) is not None})
     if args.cuda_graph is not None:
         values["cuda_graph"] = args.cuda_graph
     config = validate_section(EngineConfig, values, "engine")

@@ -68,6 +68,9 @@ class EngineConfig(StrictModel):
         description="SGLang route names served: current (0.5.23's, plus the deprecated aliases "
         "it keeps) or deprecated (only the older /get_* names, as older SGLang trees)",
     )
+    enable_return_routed_experts: bool = Field(
+        False, description="record each token's routed experts per MoE layer, returned to "
+        "requests with return_routed_experts (SGLang's flag; MoE models only)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")
 
     @model_validator(mode="after")

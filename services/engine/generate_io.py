@@ -27,6 +27,8 @@ _USED = {
     "stream",
     "routed_dp_rank",
     "data_parallel_rank",
+    "return_routed_experts",
+    "routed_experts_start_len",
 }
 # GenerateReqInput fields the built-in engine cannot honour: a 400 unless they are empty.
 _REFUSED = (
@@ -103,6 +105,7 @@ def parse_generate(
                 stream=bool(body.get("stream")),
                 dp_rank=dp_rank,
             )
+            _ask_routes(req, body, i, batched, runner)
             if rid is not None:
                 req.rid = str(rid) if params.n == 1 else f"{rid}_{j}"
             requests.append(req)
@@ -114,6 +117,22 @@ def parse_generate(
     if body.get("stream") and len(requests) > 1:
         raise InvalidRequest("the built-in engine streams one prompt and one sample (n=1) only")
     return requests, batched or len(requests) > 1
+
+
+def _ask_routes(req: GenRequest, body: dict[str, Any], index: int, batched: bool,
+                runner: ModelRunner) -> None:
+    """`return_routed_experts` and `routed_experts_start_len` of one request."""
+    req.return_routed_experts = bool(_pick(body.get("return_routed_experts"), index, batched))
+    if not req.return_routed_experts:
+        return
+    if runner.routed_experts is None:
+        raise InvalidRequest("return_routed_experts needs an engine started with "
+                             "--enable-return-routed-experts (and an MoE model)")
+    start = _pick(body.get("routed_experts_start_len", 0), index, batched)
+    if not isinstance(start, int) or not 0 <= start < len(req.input_ids):
+        raise InvalidRequest(f"routed_experts_start_len must be an integer in "
+                             f"[0, {len(req.input_ids)}), got {start!r}")
+    req.routed_experts_start_len = start
 
 
 def _top_num(value: Any) -> int:
@@ -186,5 +205,7 @@ def build_response(
                                            for top in update.top_logprobs]
             meta["input_top_logprobs"] = [None if top is None else [entry(lp, t) for lp, t in top]
                                           for top in req.input_top_logprobs or []]
+    if update.routed_experts is not None:
+        meta["routed_experts"] = update.routed_experts
     text = output_text(update.output_ids, update.finish_reason, req.params, runner)
     return {"text": text, "output_ids": update.output_ids, "meta_info": meta}

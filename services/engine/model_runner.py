@@ -15,6 +15,7 @@ from services.engine.batch_kv import BatchKV
 from services.engine.checkpoint_names import CheckpointNames
 from services.engine.config import EngineConfig
 from services.engine.radix_cache import LayerKV
+from services.engine.routed_experts import RoutedExpertsRecorder
 from services.engine.slot_model import choose_decode_backend
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,12 @@ class ModelRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.parameters = dict(self.model.state_dict(keep_vars=True))
         self.checkpoint_names = CheckpointNames(self.parameters)
+        if config.enable_return_routed_experts and self.decode_backend == "slots":
+            raise ConfigError("enable_return_routed_experts needs the transformers decode backend "
+                              "(engine.decode_backend = \"transformers\"): the slot backend does "
+                              "not record routes yet")
+        self.routed_experts = (RoutedExpertsRecorder(self.model)
+                               if config.enable_return_routed_experts else None)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -82,6 +89,8 @@ class ModelRunner:
             cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in prefix])
         ids = torch.tensor([tokens[p:]], device=self.device)
         positions = torch.arange(p, len(tokens), device=self.device)[None, :]
+        if self.routed_experts is not None:
+            self.routed_experts.clear()
         out = self.model(
             input_ids=ids,
             position_ids=positions,
@@ -89,6 +98,8 @@ class ModelRunner:
             logits_to_keep=0 if all_logits else 1,
             **{self._cache_arg: cache},
         )
+        if self.routed_experts is not None:
+            self.routed_experts.finish_forward()
         return out.logits[0], cache
 
     @torch.inference_mode()
@@ -97,6 +108,8 @@ class ModelRunner:
         positions = torch.tensor(batch.lengths, device=self.device)[:, None]
         mask = batch.extend_mask()
         ids = torch.tensor(last_tokens, device=self.device)[:, None]
+        if self.routed_experts is not None:
+            self.routed_experts.clear()
         out = self.model(
             input_ids=ids,
             position_ids=positions,
@@ -104,6 +117,8 @@ class ModelRunner:
             use_cache=True,
             **{self._cache_arg: batch.cache},
         )
+        if self.routed_experts is not None:
+            self.routed_experts.finish_forward()
         return out.logits[:, -1, :]
 
     def decode_text(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -10,10 +10,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidRequest
 from services.engine.random_stream import RandomStream
+from services.engine.routed_experts import encode_routed_experts
+
+if TYPE_CHECKING:
+    import torch
 
 # SGLang parameters accepted only at their neutral value (the built-in engine does not implement
 # them); anything else is a 400 rather than a silently different distribution.
@@ -136,6 +140,8 @@ class Update:
     num_retractions: int
     weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    #: SGLang's meta_info.routed_experts (base64 int32), on the final update when asked
+    routed_experts: str | None = None
 
 
 @dataclass
@@ -150,6 +156,8 @@ class GenRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     dp_rank: int | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     emit: Callable[[Update], None] = lambda update: None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -158,6 +166,9 @@ class GenRequest:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # (weight version, first output index, end): which weights produced which output tokens
     version_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    # routed experts [n, moe_layers, top_k] of positions routed_experts_start_len onwards
+    route_rows: list[torch.Tensor] = field(default_factory=list)
+    num_routed: int = 0
     cached_tokens: int = 0
     num_retractions: int = 0
     prefilled: bool = False
@@ -184,6 +195,24 @@ class GenRequest:
             start = self.version_spans[-1][2] if self.version_spans else 0
             self.version_spans.append((version, start, end))
 
+    @property
+    def routed_until(self) -> int:
+        """First position whose routes are not recorded yet (when they are asked for)."""
+        return self.routed_experts_start_len + self.num_routed
+
+    def add_routes(self, first_position: int, ids: torch.Tensor) -> None:
+        """Routes of positions `first_position`, ... (rows of `ids`); keeps the new ones (a
+        retracted request forwards its tokens again)."""
+        if not self.return_routed_experts:
+            return
+        skip = self.routed_until - first_position
+        if skip < 0:
+            raise RuntimeError(f"request {self.rid}: no routes for positions "
+                               f"{self.routed_until}..{first_position - 1}")
+        if skip < len(ids):
+            self.route_rows.append(ids[skip:])
+            self.num_routed += len(ids) - skip
+
     def snapshot(self, weight_version: str) -> Update:
         return Update(
             output_ids=list(self.output_ids),
@@ -195,4 +224,6 @@ class GenRequest:
             num_retractions=self.num_retractions,
             weight_versions=list(self.version_spans),
             top_logprobs=list(self.output_top_logprobs),
+            routed_experts=(encode_routed_experts(self.route_rows)
+                            if self.return_routed_experts and self.finished else None),
         )

@@ -125,9 +125,15 @@ class Scheduler:
                               and not req.prefilled)
             prefix_len, prefix = 0, None
             if not input_logprobs:
-                prefix_len, prefix = self.cache.match_prefix(tokens[:-1])
+                # Positions whose routes are asked for and not yet recorded must be forwarded.
+                end = min(len(tokens) - 1, req.routed_until) if req.return_routed_experts else -1
+                prefix_len, prefix = self.cache.match_prefix(tokens[:end])
             jobs.append((tokens, prefix, input_logprobs, prefix_len))
         results = self.batch.prefill([(tokens, prefix, every) for tokens, prefix, every, _ in jobs])
+        if self.runner.routed_experts is not None:  # one forward per job (padded batch)
+            for req, job, routes in zip(reqs, jobs, self.runner.routed_experts.take_all(),
+                                        strict=True):
+                req.add_routes(job[3], routes)
         try:
             self._first_tokens(reqs, jobs, results)
         except BaseException:  # the rows never join: give their KV back before the error rises
@@ -188,6 +194,10 @@ class Scheduler:
     def _decode(self) -> None:
         last = [(req.output_ids or req.input_ids)[-1] for req in self.running]
         logits = self.batch.decode(last)
+        if self.runner.routed_experts is not None:
+            (routes,) = self.runner.routed_experts.take_all()
+            for i, req in enumerate(self.running):
+                req.add_routes(len(req.all_ids) - 1, routes[i : i + 1])
         tokens, logprobs = sample_tokens(
             logits, [r.params for r in self.running], [r.generator for r in self.running]
         )

@@ -115,6 +115,9 @@ class FleetConfig(StrictModel):
         description="a launched engine that is alive but misses this many health checks in a "
         "row (outside weight updates) is hung: it is killed and restarted")
     log_dir: str | None = Field(None, description="engine logs go here (None: discarded)")
+    routed_experts: bool | None = Field(
+        None, description="routing replay (MoE): engines return each token's routed experts "
+        "and episodes record them for the trainer (None: on when model_path is an MoE model)")
 
     @model_validator(mode="after")
     def _urls(self) -> FleetConfig:

@@ -62,8 +62,10 @@ class Scheduler:
                  sink: GroupSink, *, weight_version: int = 0, id_prefix: str = "",
                  backlog_samples: int = 0, can_generate: Callable[[], bool] | None = None,
                  evaluation: EvalQueue | None = None,
-                 events: RolloutEvents | None = None) -> None:
+                 events: RolloutEvents | None = None,
+                 route_shape: tuple[int, int] | None = None) -> None:
         self.config = config
+        self._route_shape = route_shape or (0, 0)  # MoE: episodes record routed experts
         self.events = events or RolloutEvents()
         self._tasks = tasks
         self._runner = runner
@@ -206,6 +208,8 @@ class Scheduler:
             group_id=group.group_id, sample_index=index,
             sampling_params=common_pb2.SamplingParams(
                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p),
+            routed_experts_num_layers=self._route_shape[0],
+            routed_experts_top_k=self._route_shape[1],
         )
         self._gate.on_admit(1)
         self.in_flight += 1

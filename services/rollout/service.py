@@ -38,6 +38,7 @@ from services.rollout.router_link import GrpcRouterLink, NoRouter
 from services.rollout.run_events import RolloutEvents
 from services.rollout.sandbox_runner import SandboxEpisodeRunner
 from services.rollout.scheduler import Scheduler
+from services.rollout.sglang_command import fleet_route_shape
 from services.rollout.task_sampler import task_sampler
 from services.rollout.weight_update import WeightUpdateCoordinator
 
@@ -197,7 +198,8 @@ class RolloutRuntime(ServiceRuntime):
                               evaluation=EvalQueue(self.config.eval,
                                                    self.config.scheduler.max_new_tokens,
                                                    self.config.scheduler.top_p, held_out),
-                              events=self.events)
+                              events=self.events,
+                              route_shape=fleet_route_shape(self.config.fleet))
         if self.paused:
             scheduler.pause()
         await scheduler.start()

@@ -11,13 +11,36 @@ import sys
 from pathlib import Path
 
 from services.common.engine_contract import API_KEY_ENV
+from services.common.errors import ConfigError
+from services.common.routed_experts import moe_route_shape
 from services.rollout.config import FleetConfig, SGLangConfig
+
+#: The server flag under which SGLang (and the built-in engine) return routed experts.
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+
+
+def fleet_route_shape(config: FleetConfig) -> tuple[int, int] | None:
+    """(MoE layers, top-k) of the fleet's model when its episodes record routed experts for
+    routing replay (fleet.routed_experts, by default on for MoE models), else None."""
+    if config.routed_experts is False or not config.model_path:
+        if config.routed_experts:
+            raise ConfigError("rollout.fleet.routed_experts = true needs fleet.model_path (the "
+                              "MoE model, for the routes' shape)")
+        return None
+    shape = moe_route_shape(config.model_path)
+    if shape is None and config.routed_experts:
+        raise ConfigError(f"rollout.fleet.routed_experts = true but {config.model_path} is not "
+                          "an MoE model here (its config.json is missing or names no routed "
+                          "experts)")
+    return shape
 
 
 def sglang_command(config: SGLangConfig, model_path: str, host: str, port: int,
-                   weight_version: int, python: str = sys.executable) -> list[str]:
+                   weight_version: int, python: str = sys.executable,
+                   routed_experts: bool = False) -> list[str]:
     """`python -m sglang.launch_server ...` for one engine, from the [rollout.fleet.sglang]
-    settings; every optional flag appears only when set."""
+    settings; every optional flag appears only when set (`routed_experts`: the engine
+    returns each token's routed experts, for routing replay)."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path,
            "--host", host, "--port", str(port),
            "--tp-size", str(config.tp_size), "--dp-size", str(config.dp_size)]
@@ -39,6 +62,8 @@ def sglang_command(config: SGLangConfig, model_path: str, host: str, port: int,
             cmd += [flag, str(value)]
     if config.enable_metrics:
         cmd.append("--enable-metrics")
+    if routed_experts:
+        cmd.append(ROUTED_EXPERTS_FLAG)
     cmd += ["--weight-version", str(weight_version), *config.extra_args]
     return cmd
 
@@ -46,15 +71,17 @@ def sglang_command(config: SGLangConfig, model_path: str, host: str, port: int,
 def builtin_command(config: FleetConfig, host: str, port: int, weight_version: int,
                     python: str = sys.executable) -> list[str]:
     """`python -m services.engine ...` for one built-in engine."""
+    routes = [ROUTED_EXPERTS_FLAG] if fleet_route_shape(config) is not None else []
     return [python, "-m", "services.engine", "--model", config.model_path,
             "--host", host, "--port", str(port), "--weight-version", str(weight_version),
-            *config.builtin_args]
+            *routes, *config.builtin_args]
 
 
 def engine_command(config: FleetConfig, host: str, port: int, weight_version: int) -> list[str]:
     """The command that starts one engine of the configured kind."""
     if config.kind == "sglang":
-        return sglang_command(config.sglang, config.model_path, host, port, weight_version)
+        return sglang_command(config.sglang, config.model_path, host, port, weight_version,
+                              routed_experts=fleet_route_shape(config) is not None)
     if config.kind == "builtin":
         return builtin_command(config, host, port, weight_version)
     raise ValueError(f"fleet kind {config.kind!r} launches nothing")

@@ -14,8 +14,9 @@ import orjson
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.bounds import MAX_SGLANG_FIELDS_CHARS, check_id, check_prompt_tokens
 from services.common.engine_contract import weight_version_spans
-from services.common.errors import InvalidRequest
+from services.common.errors import InvalidRequest, Unavailable
 from services.common.grpc_requests import require
+from services.common.routed_experts import decode_sglang_routes
 from services.common.sampling_params import sampling_params
 from services.common.service import status_message
 
@@ -86,6 +87,17 @@ def _weight_version(value: Any) -> int:
         return -1
 
 
+def _routed_experts(meta: dict[str, Any], url: str) -> bytes:
+    """The engine's routed experts (base64 int32) as raw bytes; b"" when it sent none."""
+    value = meta.get("routed_experts")
+    if not value:
+        return b""
+    try:
+        return decode_sglang_routes(value)
+    except InvalidRequest as exc:
+        raise Unavailable(f"engine {url} answered malformed routed experts: {exc}") from None
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Router RPCs over a RouterRuntime."""
 
@@ -109,6 +121,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             engine_latency_s=routed.engine_latency_s,
             output_weight_versions=[_weight_version(v)
                                     for v in weight_version_spans(meta, len(output_ids))],
+            routed_experts=_routed_experts(meta, routed.target.engine.url),
         )
 
     async def RegisterEngine(self, request: router_pb2.RegisterEngineRequest,  # noqa: N802

@@ -78,8 +78,11 @@ class EpisodeAgent(Protocol):
 
     async def run(self, handle: SandboxHandle, instruction: str, session_key: str,
                   sampling: common_pb2.SamplingParams, wall_time_s: float,
-                  on_progress: ProgressFn | None = None, task: Task | None = None
-                  ) -> AgentRun: ...
+                  on_progress: ProgressFn | None = None, task: Task | None = None,
+                  route_shape: tuple[int, int] | None = None) -> AgentRun:
+        """The episode's turns; with `route_shape` (MoE layers, top-k) the engine's routed
+        experts are asked for and recorded with the tokens (routing replay)."""
+        ...
 
 
 class TerminalAgent:
@@ -101,14 +104,16 @@ class TerminalAgent:
 
     async def run(self, handle: SandboxHandle, instruction: str, session_key: str,
                   sampling: common_pb2.SamplingParams, wall_time_s: float,
-                  on_progress: ProgressFn | None = None, task: Task | None = None) -> AgentRun:
+                  on_progress: ProgressFn | None = None, task: Task | None = None,
+                  route_shape: tuple[int, int] | None = None) -> AgentRun:
         """Turns until the model declares completion or a limit is reached."""
         progress = on_progress or (lambda kind, turn, detail: None)
         limits = self.config
         deadline = time.monotonic() + min(wall_time_s, limits.wall_time_s)
         protocol = make_protocol(limits)
         shell = ShellSession(self.provider, handle, limits.persistent_shell)
-        run = AgentRun(TokenTrace(self.chat.prompt_ids(protocol.system_prompt(), instruction)))
+        run = AgentRun(TokenTrace(self.chat.prompt_ids(protocol.system_prompt(), instruction),
+                                  route_shape=route_shape))
         for turn in range(1, limits.max_turns + 1):
             # SGLang refuses prompt + max_new_tokens >= its context length (HTTP 400), so the
             # cap is exclusive: an engine whose context equals max_context_tokens accepts it.
@@ -166,7 +171,8 @@ class TerminalAgent:
         started = time.monotonic()
         try:
             return await asyncio.wait_for(
-                self.model.generate(session_key, input_ids, params), remaining_s)
+                self.model.generate(session_key, input_ids, params, run.trace.routes_start),
+                remaining_s)
         except TimeoutError:
             return None
         except RiptideError as exc:  # the router's or engine's: a failure class of its own

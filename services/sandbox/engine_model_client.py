@@ -19,6 +19,7 @@ from services._proto.riptide.v1 import common_pb2
 from services.common.engine_contract import bearer, weight_version_spans
 from services.common.errors import InvalidRequest, RiptideError, Unavailable
 from services.common.http1_client import ConnectionBroke, Http1Client, NotConnected
+from services.common.routed_experts import decode_sglang_routes
 from services.common.sampling_params import sampling_params
 from services.sandbox.model_client import GenerateResult
 
@@ -39,10 +40,13 @@ class EngineModelClient:
         self._endings: set[asyncio.Task[None]] = set()
 
     async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams) -> GenerateResult:
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
         body: dict[str, object] = {
             "input_ids": input_ids, "sampling_params": sampling_params(sampling),
             "return_logprob": True, "rid": f"{session_key}-{uuid.uuid4().hex[:8]}"}
+        if routed_experts_start is not None:
+            body.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start)
         if self.routed:
             body["routing_key"] = session_key
         payload = orjson.dumps(body)
@@ -97,10 +101,12 @@ def _result(reply: dict[str, object], num_prompt: int) -> GenerateResult:
     ids = [int(t) for t in reply.get("output_ids") or []]  # type: ignore[attr-defined]
     logprobs = [float(item[0]) for item in meta.get("output_token_logprobs") or []]
     version = _version(meta.get("weight_version"))
+    routes = meta.get("routed_experts")
     return GenerateResult(ids, logprobs, reason, version,
                           [_version(v) for v in weight_version_spans(meta, len(ids))],
                           prompt_tokens=int(meta.get("prompt_tokens") or num_prompt),
-                          cached_tokens=int(meta.get("cached_tokens") or 0))
+                          cached_tokens=int(meta.get("cached_tokens") or 0),
+                          routed_experts=decode_sglang_routes(str(routes)) if routes else b"")
 
 
 def _version(value: object) -> int:

@@ -133,7 +133,7 @@ class EpisodeRunner:
             return await asyncio.wait_for(
                 self.agent.run(handle, task.instruction, request.sample_id,
                                request.sampling_params, task.config.agent.timeout_sec, progress,
-                               task=task),
+                               task=task, route_shape=_route_shape(request)),
                 hard_limit_s)
         except TimeoutError:
             raise AgentTimeout(f"the agent did not stop within {hard_limit_s:g} s (wall time "
@@ -215,6 +215,13 @@ class EpisodeRunner:
             await asyncio.wait(set(self._deletes), timeout=timeout_s)
 
 
+def _route_shape(request: sandbox_pb2.RunEpisodeRequest) -> tuple[int, int] | None:
+    """(MoE layers, top-k) when the rollout asks for routed experts, else None."""
+    if not request.routed_experts_num_layers:
+        return None
+    return request.routed_experts_num_layers, request.routed_experts_top_k
+
+
 def _trajectory(task: Task, request: sandbox_pb2.RunEpisodeRequest, run: AgentRun | None,
                 verdict: Verdict, timings: common_pb2.EpisodeTimings) -> common_pb2.Trajectory:
     trajectory = common_pb2.Trajectory(
@@ -223,11 +230,7 @@ def _trajectory(task: Task, request: sandbox_pb2.RunEpisodeRequest, run: AgentRu
         status_message=verdict.message, timings=timings, no_verdict_cause=verdict.cause)
     if run is not None:
         trace = run.trace
-        trajectory.prompt_ids.extend(trace.prompt_ids)
-        trajectory.response_ids.extend(trace.response_ids)
-        trajectory.loss_mask.extend(trace.loss_mask)
-        trajectory.rollout_logprobs.extend(trace.logprobs)
-        trajectory.weight_versions.extend(trace.weight_versions)
+        trace.fill(trajectory)
         trajectory.segments.extend(segment.as_segment() for segment in run.extra_segments)
         trajectory.num_turns = run.num_turns
         trajectory.finish_reason = run.finish_reason

@@ -59,7 +59,8 @@ class HarnessAgent:
 
     async def run(self, handle: SandboxHandle, instruction: str, session_key: str,
                   sampling: common_pb2.SamplingParams, wall_time_s: float,
-                  on_progress: ProgressFn | None = None, task: Task | None = None) -> AgentRun:
+                  on_progress: ProgressFn | None = None, task: Task | None = None,
+                  route_shape: tuple[int, int] | None = None) -> AgentRun:
         """The harness's whole episode; the gateway session lives exactly this long."""
         if task is None:
             raise HarnessError("a harness needs the episode's task")
@@ -67,7 +68,8 @@ class HarnessAgent:
         limits = self.config
         deadline = time.monotonic() + min(wall_time_s, limits.wall_time_s)
         session = self.gateway.open(session_key, sampling, SessionLimits(
-            limits.max_turns, limits.max_context_tokens, limits.max_new_tokens, deadline))
+            limits.max_turns, limits.max_context_tokens, limits.max_new_tokens, deadline),
+            route_shape=route_shape)
         exec_s = [0.0]
 
         def on_command(command: str, result: ExecResult) -> None:

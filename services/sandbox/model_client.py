@@ -11,6 +11,7 @@ only by `model_client = "scripted"` in the sandbox config.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -42,6 +43,9 @@ class GenerateResult:
     dp_rank: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Routing replay, when asked: the engine's routed experts of the input positions from the
+    # asked start on, raw little-endian int32 [tokens, moe_layers, top_k] (router.proto).
+    routed_experts: bytes = b""
 
     def token_versions(self) -> list[int]:
         """The weight version of each output id."""
@@ -54,7 +58,11 @@ class ModelClient(Protocol):
     """Generates one assistant turn from the full token sequence so far."""
 
     async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams) -> GenerateResult: ...
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
+        """One turn; with `routed_experts_start` the engine's routed experts of the input
+        positions from there on come back too (SGLang's routed_experts_start_len)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -76,10 +84,12 @@ class RouterModelClient:
         self._endings: set[asyncio.Task[None]] = set()
 
     async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams) -> GenerateResult:
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
         request = router_pb2.GenerateRequest(
             session_key=session_key, input_ids=input_ids, sampling_params=sampling,
-            return_logprob=True, request_id=f"{session_key}-{uuid.uuid4().hex[:8]}")
+            return_logprob=True, request_id=f"{session_key}-{uuid.uuid4().hex[:8]}",
+            sglang_fields_json=routed_experts_fields(routed_experts_start))
         if self._stub is None:  # made on first use: an aio channel belongs to its event loop
             self._channel = aio_channel(self._address, self._token, tls=self._tls)
             self._stub = router_pb2_grpc.RouterStub(self._channel)
@@ -96,7 +106,8 @@ class RouterModelClient:
         return GenerateResult(list(response.output_ids), logprobs, response.finish_reason,
                               int(response.weight_version),
                               list(response.output_weight_versions), response.engine_url,
-                              response.dp_rank, response.prompt_tokens, response.cached_tokens)
+                              response.dp_rank, response.prompt_tokens, response.cached_tokens,
+                              response.routed_experts)
 
     def forget(self, session_key: str) -> None:
         """The episode ended: tell the router in the background (it also expires idle ones)."""
@@ -119,6 +130,14 @@ class RouterModelClient:
         if self._channel is not None:
             await self._channel.close()
             self._channel = self._stub = None
+
+
+def routed_experts_fields(start: int | None) -> str:
+    """SGLang's request fields asking for routed experts from input position `start` on, as
+    sglang_fields_json ("" when not asked)."""
+    if start is None:
+        return ""
+    return json.dumps({"return_routed_experts": True, "routed_experts_start_len": start})
 
 
 def _riptide_error(exc: grpc.aio.AioRpcError) -> RiptideError:
@@ -155,7 +174,8 @@ class ScriptedModelClient:
         self._positions: dict[str, int] = {}
 
     async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams) -> GenerateResult:
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
         turns = self._script_for(session_key)
         index = self._positions.get(session_key, 0)
         self._positions[session_key] = index + 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services._proto.riptide.v1 import common_pb2
+from services.common.routed_experts import RouteChunk, pack_routes, routes_from_int32
 from services.sandbox.model_client import GenerateResult
 
 
@@ -25,6 +26,12 @@ class TokenTrace:
     weight_versions: list[int] = field(default_factory=list)
     #: Why this segment was opened (empty for an episode's first).
     cause: str = ""
+    #: Routing replay (MoE): (moe_layers, top_k) of the routes asked for, None: not asked.
+    route_shape: tuple[int, int] | None = None
+    #: The engine's routed experts of the tokens so far, as runs from a token position.
+    route_chunks: list[RouteChunk] = field(default_factory=list)
+    #: The first position whose routes the next call asks for.
+    routed_until: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -35,7 +42,16 @@ class TokenTrace:
         """Every token so far: what the next model call extends."""
         return self.prompt_ids + self.response_ids
 
+    @property
+    def routes_start(self) -> int | None:
+        """Where the next model call asks the engine's routes from (None: not asked)."""
+        return None if self.route_shape is None else self.routed_until
+
     def add_model(self, result: GenerateResult) -> None:
+        if self.route_shape is not None and result.routed_experts:
+            ids = routes_from_int32(result.routed_experts, *self.route_shape)
+            self.route_chunks.append((self.routed_until, ids))
+            self.routed_until += len(ids)
         count = len(result.output_ids)
         logprobs = list(result.output_logprobs[:count])
         logprobs += [0.0] * (count - len(logprobs))
@@ -50,11 +66,28 @@ class TokenTrace:
         self.logprobs += [0.0] * len(ids)
         self.weight_versions += [-1] * len(ids)
 
+    def packed_routes(self) -> tuple[bytes, bytes]:
+        """(routed_experts, routed_experts_present) of the trajectory format."""
+        return pack_routes(self.num_tokens, self.route_chunks)
+
+    def fill(self, trajectory: common_pb2.Trajectory) -> None:
+        """The first segment's tokens and routes into `trajectory`."""
+        trajectory.prompt_ids.extend(self.prompt_ids)
+        trajectory.response_ids.extend(self.response_ids)
+        trajectory.loss_mask.extend(self.loss_mask)
+        trajectory.rollout_logprobs.extend(self.logprobs)
+        trajectory.weight_versions.extend(self.weight_versions)
+        if self.route_shape is not None:
+            trajectory.routed_experts_num_layers, trajectory.routed_experts_top_k = (
+                self.route_shape)
+            trajectory.routed_experts, trajectory.routed_experts_present = self.packed_routes()
+
     def as_segment(self) -> common_pb2.TrajectorySegment:
+        routes, present = self.packed_routes() if self.route_shape is not None else (b"", b"")
         return common_pb2.TrajectorySegment(
             prompt_ids=self.prompt_ids, response_ids=self.response_ids, loss_mask=self.loss_mask,
             rollout_logprobs=self.logprobs, weight_versions=self.weight_versions,
-            cause=self.cause)
+            cause=self.cause, routed_experts=routes, routed_experts_present=present)
 
 
 @dataclass
@@ -62,6 +95,8 @@ class SegmentedTrace:
     """An episode's segments, in order; the last is the one calls extend."""
 
     segments: list[TokenTrace] = field(default_factory=list)
+    #: (MoE layers, top-k) of the engine's routes each segment records (None: none asked)
+    route_shape: tuple[int, int] | None = None
 
     @property
     def current(self) -> TokenTrace | None:
@@ -78,5 +113,6 @@ class SegmentedTrace:
                 current.add_context(prompt_ids[known:])
                 return ""
         cause = cause_if_not if current is not None else ""
-        self.segments.append(TokenTrace(list(prompt_ids), cause=cause))
+        self.segments.append(TokenTrace(list(prompt_ids), cause=cause,
+                                        route_shape=self.route_shape))
         return cause

@@ -138,13 +138,14 @@ def _engine_steps(config: Any, serve: Any) -> list[Step]:
 
 
 def _sglang_command(config: Any, nodes: list[str], version: int) -> list[str]:
-    from services.rollout.sglang_command import sglang_command
+    from services.rollout.sglang_command import fleet_route_shape, sglang_command
 
     s, fleet = config.slurm, config.rollout.fleet
     if not fleet.model_path:
         raise ConfigError("slurm.engine_program 'sglang' needs rollout.fleet.model_path")
     command = sglang_command(fleet.sglang, fleet.model_path, s.bind_host, s.engine_port, version,
-                             python=sys.executable)
+                             python=sys.executable,
+                             routed_experts=fleet_route_shape(fleet) is not None)
     command += ["--config", str(engine_key_file(config))]  # its --api-key, from a 0600 file
     if len(nodes) == 1:
         return command

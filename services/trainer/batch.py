@@ -9,6 +9,8 @@ or with `packed` one row [1, T] of the samples back to back and their boundaries
 boundaries). A sample longer than the budget is a micro-batch of its own. With
 `shared_prefix` (packed only), the samples of a group hold their common prompt once per
 micro-batch, each sample's continuation attending to it (shared_prefix.py, `prefix_of`).
+Samples of MoE models may carry the engine's routed experts (Trajectory.routed_experts); a
+micro-batch holds them per token as `routed_experts` for routing replay (routing_replay.py).
 Called by data.py; consumed by step.py.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,6 +30,7 @@ from services._proto.riptide.v1.common_pb2 import (
     TrajectorySegment,
 )
 from services.common.errors import InvalidRequest
+from services.common.routed_experts import unpack_routes
 from services.trainer.loss import group_advantages
 from services.trainer.shared_prefix import shareable_len
 
@@ -44,6 +48,9 @@ class MicroBatch:
     cu_seqlens: list[int] | None = None  # packed: sequence boundaries 0, len0, len0+len1, ...
     #: packed with shared prefixes: per sequence, the earlier one it continues (-1: none)
     prefix_of: list[int] | None = None
+    #: the engine's routed experts [B, T, moe_layers, top_k] int32 (-1: none; None: no sample
+    #: has any)
+    routed_experts: Tensor | None = None
 
     @cached_property
     def num_loss_tokens(self) -> int:
@@ -56,7 +63,9 @@ class MicroBatch:
             return self
         return MicroBatch(self.input_ids.to(device), self.loss_mask.to(device),
                           self.rollout_logprobs.to(device), self.advantages.to(device),
-                          self.lengths, self.cu_seqlens, self.prefix_of)  # fmt: skip
+                          self.lengths, self.cu_seqlens, self.prefix_of,
+                          None if self.routed_experts is None
+                          else self.routed_experts.to(device))  # fmt: skip
 
 
 @dataclass
@@ -91,6 +100,11 @@ class _Row:
     mask: list[int]
     logprobs: list[float]
     advantage: float
+    routes: np.ndarray | None = None  # [len(ids), moe_layers, top_k], -1 where none
+
+    def tail(self, start: int) -> _Row:
+        return _Row(self.ids[start:], self.mask[start:], self.logprobs[start:], self.advantage,
+                    None if self.routes is None else self.routes[start:])
 
 
 def _rows_of(group: Group, normalize_std: bool) -> tuple[list[_Row], list[float], int]:
@@ -104,7 +118,9 @@ def _rows_of(group: Group, normalize_std: bool) -> tuple[list[_Row], list[float]
         # An episode's segments (agents behind the gateway) are rows of one advantage: the
         # baseline above counted the episode once.
         for segment in (sample, *sample.segments):
-            rows.append(_row(segment, a, sample.sample_id, group.group_id))
+            row = _row(segment, a, sample.sample_id, group.group_id)
+            row.routes = _routes(segment, sample, len(row.ids))
+            rows.append(row)
     return rows, rewards, len(group.samples) - len(scored)
 
 
@@ -122,6 +138,40 @@ def _row(tokens: Trajectory | TrajectorySegment, advantage: float, sample_id: st
                 logprobs=[0.0] * p + list(tokens.rollout_logprobs), advantage=advantage)
 
 
+def _routes(tokens: Trajectory | TrajectorySegment, sample: Trajectory,
+            num_tokens: int) -> np.ndarray | None:
+    if not tokens.routed_experts:
+        return None
+    try:
+        return unpack_routes(tokens.routed_experts, tokens.routed_experts_present, num_tokens,
+                             sample.routed_experts_num_layers, sample.routed_experts_top_k)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"sample {sample.sample_id} of group {sample.group_id}: "
+                             f"{exc}") from None
+
+
+def _stack_routes(rows: list[_Row], shape: tuple[int, int], packed: bool) -> Tensor | None:
+    """The rows' routes as [B, width, moe_layers, top_k] (one packed row: [1, T, ...]), -1
+    where a row has none; None when no row has any."""
+    given = [r.routes for r in rows if r.routes is not None]
+    if not given:
+        return None
+    layout = given[0].shape[1:]
+    if any(g.shape[1:] != layout for g in given):
+        raise InvalidRequest("samples of one batch carry routed experts of different shapes")
+    out = torch.full((*shape, *layout), -1, dtype=torch.int32)
+    start = 0
+    for i, r in enumerate(rows):
+        n = len(r.ids)
+        if r.routes is not None:
+            if packed:
+                out[0, start : start + n] = torch.from_numpy(r.routes)
+            else:
+                out[i, :n] = torch.from_numpy(r.routes)
+        start += n
+    return out
+
+
 def _micro_batch(rows: list[_Row], pad_id: int) -> MicroBatch:
     width = max(len(r.ids) for r in rows)
     shape = (len(rows), width)
@@ -135,7 +185,8 @@ def _micro_batch(rows: list[_Row], pad_id: int) -> MicroBatch:
         mask[i, :n] = torch.tensor(r.mask, dtype=torch.float32)
         logprobs[i, :n] = torch.tensor(r.logprobs)
         adv[i, :n] = r.advantage
-    return MicroBatch(ids, mask, logprobs, adv, [len(r.ids) for r in rows])
+    return MicroBatch(ids, mask, logprobs, adv, [len(r.ids) for r in rows],
+                      routed_experts=_stack_routes(rows, shape, packed=False))
 
 
 def _packed_micro_batch(rows: list[_Row], prefix_of: list[int] | None = None) -> MicroBatch:
@@ -155,6 +206,7 @@ def _packed_micro_batch(rows: list[_Row], prefix_of: list[int] | None = None) ->
         lengths=lengths,
         cu_seqlens=cu,
         prefix_of=prefix_of,
+        routed_experts=_stack_routes(rows, (1, cu[-1]), packed=True),
     )
 
 
@@ -203,7 +255,9 @@ def _shared_prefix_units(rows: list[_Row], budget: int) -> list[_Unit]:
     rows = sorted(rows, key=lambda r: len(r.ids), reverse=True)
     if shared == 0:
         return [_Unit(None, [r]) for r in rows]
-    prefix = _Row(rows[0].ids[:shared], [0] * shared, [0.0] * shared, 0.0)
+    routed = next((r.routes for r in rows if r.routes is not None), None)  # any sample's
+    prefix = _Row(rows[0].ids[:shared], [0] * shared, [0.0] * shared, 0.0,
+                  None if routed is None else routed[:shared])
     chunks: list[list[_Row]] = []
     used = budget
     for row in rows:
@@ -212,9 +266,8 @@ def _shared_prefix_units(rows: list[_Row], budget: int) -> list[_Unit]:
             used = shared
         chunks[-1].append(row)
         used += len(row.ids) - shared
-    return [_Unit(None, chunk) if len(chunk) == 1 else _Unit(prefix, [
-        _Row(r.ids[shared:], r.mask[shared:], r.logprobs[shared:], r.advantage) for r in chunk])
-        for chunk in chunks]  # fmt: skip
+    return [_Unit(None, chunk) if len(chunk) == 1 else
+            _Unit(prefix, [r.tail(shared) for r in chunk]) for chunk in chunks]
 
 
 def _shared_prefix_micro_batches(units: list[_Unit], budget: int) -> list[MicroBatch]:

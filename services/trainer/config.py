@@ -31,6 +31,10 @@ class LossConfig(StrictModel):
     reference_hf_path: str = Field(
         "", description="reference model folder for the KL term (empty: the initial weights)"
     )
+    routing_replay: bool | None = Field(
+        None, description="MoE models: route each token to the experts the engine routed it to "
+        "(Trajectory.routed_experts; tokens without them route by themselves, counted). None: "
+        "on for MoE models where the layout supports it (no pipeline or context parallelism)")
 
     def settings(self) -> LossSettings:
         from services.trainer.loss import LossSettings  # torch stays out of config parsing

@@ -50,7 +50,16 @@ def pad_micro_batch(mb: MicroBatch, rows: int, width: int) -> MicroBatch:
         prefix_of=None if mb.prefix_of is None else (
             list(mb.prefix_of) + ([-1] if width > num_cols else [])
         ),
+        routed_experts=None if mb.routed_experts is None else _grow_routes(
+            mb.routed_experts, rows, width),
     )
+
+
+def _grow_routes(routes: Tensor, rows: int, width: int) -> Tensor:
+    """Routes padded like the tokens, -1 (route by itself) on the padding."""
+    out = routes.new_full((rows, width, *routes.shape[2:]), -1)
+    out[: routes.shape[0], : routes.shape[1]] = routes
+    return out
 
 
 def dummy_micro_batch(like: MicroBatch, rows: int, width: int) -> MicroBatch:

@@ -116,6 +116,7 @@ class TrainerLoop:
                 self.config.num_minibatches, self.reference, self.shard,
             )  # fmt: skip
             step_s = time.monotonic() - start
+            self._warn_routing_fallback(metrics)
             self._advance(batch)
             checkpoint_s = 0.0
             if self.state.step % self.config.checkpoint.interval_steps == 0:
@@ -130,6 +131,19 @@ class TrainerLoop:
             self._checkpoint_and_ack()
         self.stats.set_phase("stopped")
         return self.state
+
+    def _warn_routing_fallback(self, metrics: dict[str, float]) -> None:
+        """Tokens of an MoE step that had no engine routes (routing_replay.py): a warning, an
+        event and the counter in stats.py."""
+        fallback = metrics.get("routing_replay_fallback_tokens", 0.0)
+        if fallback > 0:
+            replayed = metrics.get("routing_replay_tokens", 0.0)
+            log.warning("step %d: %d of %d tokens had no routed experts from the engine and "
+                        "were routed by the trainer", self.state.step + 1, int(fallback),
+                        int(fallback + replayed))
+            self.events.publish("trainer.routing_replay_fallback", id=str(self.state.step + 1),
+                                weight_version=self.state.weight_version,
+                                attrs={"fallback_tokens": fallback, "replayed_tokens": replayed})
 
     def _reached_max_steps(self) -> bool:
         return 0 < self.config.max_steps <= self.state.step

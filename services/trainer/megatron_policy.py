@@ -12,6 +12,7 @@ Called by service.py; tests call it for the real-model paths.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from services.trainer.model_config import ParallelConfig
 from services.trainer.optimizer_shard import CombinedOptimizer
 from services.trainer.optimizer_stream import MasterAdam, megatron_no_decay
 from services.trainer.policy import FrozenModel, ModelPolicy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,28 @@ def build_optimizer(
     })  # fmt: skip
 
 
+def routing_replay(config: TrainerConfig, shape: Any, layout: Any, model: Any) -> Any:
+    """The model's RoutingReplay when `trainer.loss.routing_replay` asks for it (None: on for
+    MoE models where the layout supports it), else None."""
+    wanted = config.loss.routing_replay
+    if not shape.is_moe or wanted is False:
+        if wanted and not shape.is_moe:
+            raise ConfigError("trainer.loss.routing_replay = true needs an MoE model")
+        return None
+    unsupported = [name for name, size in (("pipeline", layout.pp_size),
+                                           ("context", layout.cp_size)) if size > 1]
+    if unsupported:
+        message = (f"routing replay is not supported with {' or '.join(unsupported)} "
+                   "parallelism")
+        if wanted:
+            raise ConfigError(f"trainer.loss.routing_replay = true: {message}; set it to false")
+        log.warning("%s: MoE layers route by themselves", message)
+        return None
+    from services.trainer.routing_replay import RoutingReplay
+
+    return RoutingReplay(model, shape)
+
+
 def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> BuiltPolicy:
     """The megatron policy with its optimizer, as configured."""
 
@@ -187,7 +212,7 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
         logprob_fn = cp_token_logprobs
     temperature = config.sampling_temperature
     policy = ModelPolicy(model, optimizer, logprob_fn, opt.max_grad_norm, clip, grad_sync,
-                         temperature)  # fmt: skip
+                         temperature, routing_replay(config, shape, layout, model))  # fmt: skip
     reference = None
     if config.loss.kl_coef > 0:
         from services.trainer.convert import load_hf_checkpoint

@@ -18,6 +18,7 @@ from torch import Tensor
 from services.trainer.batch import MicroBatch
 from services.trainer.optimizer_shard import CombinedOptimizer
 from services.trainer.optimizer_stream import MasterAdam
+from services.trainer.routing_replay import RoutingReplay
 
 #: (model, input_ids) -> per-token log-probs; called with `cu_seqlens=` for packed rows (and
 #: `prefix_of=` where they share prefixes).
@@ -112,8 +113,10 @@ class ModelPolicy:
         clip_fn: ClipFn | None = None,
         grad_sync: GradSyncFn | None = None,
         temperature: float = 1.0,
+        routing_replay: RoutingReplay | None = None,
     ) -> None:
         self.model = model
+        self.routing_replay = routing_replay  # MoE: route by the engine's routed experts
         self.temperature = temperature  # the engines' sampling temperature
         self.optimizer = optimizer
         self.logprob_fn = logprob_fn
@@ -122,6 +125,8 @@ class ModelPolicy:
         self.grad_sync = grad_sync
 
     def logprobs(self, batch: MicroBatch) -> Tensor:
+        if self.routing_replay is not None:
+            self.routing_replay.set_routes(batch.routed_experts, batch.lengths, batch.cu_seqlens)
         return self.logprob_fn(
             self.model, batch.input_ids, **logprob_keywords(batch, self.temperature)
         )

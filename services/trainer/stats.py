@@ -75,6 +75,14 @@ class TrainerStats:
         self._tokens = counter("riptide_trainer_tokens", "tokens trained")
         self._sync_failures = counter("riptide_trainer_weight_sync_failures",
                                       "weight-sync tries that failed (each is retried)")
+        self._replay = {
+            "routing_replay_tokens": counter(
+                "riptide_trainer_routing_replay_tokens",
+                "MoE: tokens routed by the engine's routed experts (routing replay)"),
+            "routing_replay_fallback_tokens": counter(
+                "riptide_trainer_routing_replay_fallback_tokens",
+                "MoE: tokens without the engine's routes, routed by the trainer itself"),
+        }
 
     def set_phase(self, phase: str) -> None:
         with self._lock:
@@ -120,6 +128,8 @@ class TrainerStats:
             self._gauges[key].set(value)
         self._steps.inc()
         self._tokens.inc(rec.num_tokens)
+        for key, replay_counter in self._replay.items():
+            replay_counter.inc(rec.metrics.get(key, 0.0))
 
     def _values(self, rec: StepRecord) -> dict[str, float]:
         elapsed = max(time.monotonic() - self._started, 1e-9)

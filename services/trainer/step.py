@@ -151,4 +151,16 @@ def train_step(
     sums = settle(sums)
     if shard is not None:
         sums = shard.sum(sums)
-    return step_metrics(sums, settle(step_sums), plan)
+    return {**step_metrics(sums, settle(step_sums), plan), **replay_counts(policy, shard)}
+
+
+def replay_counts(policy: Policy, shard: DataShard | None) -> dict[str, float]:
+    """The step's routing-replay token counts (replayed, fell back), summed over the ranks;
+    nothing when the policy does not replay."""
+    replay = getattr(policy, "routing_replay", None)
+    if replay is None:
+        return {}
+    counts = replay.take_counts()
+    out = {"routing_replay_tokens": float(counts.replayed_tokens),
+           "routing_replay_fallback_tokens": float(counts.fallback_tokens)}
+    return shard.sum(out) if shard is not None else out

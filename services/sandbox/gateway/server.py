@@ -77,14 +77,16 @@ class AgentGateway:
         return f"http://{host}:{self.server.port}{_PREFIX}{episode_id}/v1"
 
     def open(self, episode_id: str, sampling: common_pb2.SamplingParams,
-             limits: SessionLimits, chat_template: str | None = None) -> GatewaySession:
-        """A session for a starting episode; its key is `session.key`."""
+             limits: SessionLimits, chat_template: str | None = None,
+             route_shape: tuple[int, int] | None = None) -> GatewaySession:
+        """A session for a starting episode; its key is `session.key`. With `route_shape`
+        (MoE layers, top-k) every call asks for the engine's routed experts."""
         if episode_id in self.sessions:
             raise Conflict(f"episode {episode_id!r} already has a gateway session")
         renderer = ChatRenderer(self.tokenizer, chat_template or self.template,
                                 self.end_of_turn_ids)
         session = GatewaySession(episode_id, self.model, renderer, sampling, limits,
-                                 self.stats, self.parse_tools)
+                                 self.stats, self.parse_tools, route_shape)
         self.sessions[episode_id] = session
         return session
 

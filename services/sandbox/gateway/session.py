@@ -113,7 +113,8 @@ class GatewaySession:
 
     def __init__(self, episode_id: str, model: ModelClient, renderer: ChatRenderer,
                  sampling: common_pb2.SamplingParams, limits: SessionLimits,
-                 stats: GatewayStats, parse_tools: bool) -> None:
+                 stats: GatewayStats, parse_tools: bool,
+                 route_shape: tuple[int, int] | None = None) -> None:
         self.episode_id = episode_id
         self.key = secrets.token_urlsafe(32)
         self.model = model
@@ -122,7 +123,7 @@ class GatewaySession:
         self.limits = limits
         self.stats = stats
         self.parse_tools = parse_tools
-        self.trace = SegmentedTrace()
+        self.trace = SegmentedTrace(route_shape=route_shape)
         self.replies: list[Reply] = []
         self.num_calls = 0
         self.limit_hit = ""  # the finish_reason of a cap the harness ran into
@@ -134,6 +135,10 @@ class GatewaySession:
         self._completion_text = ""  # /v1/completions: text whose ids are the segment's
         self._lock = asyncio.Lock()
 
+
+    def _routes_start(self) -> int | None:
+        current = self.trace.current
+        return None if current is None else current.routes_start
     def authorized(self, key: str) -> bool:
         return hmac.compare_digest(key.encode(), self.key.encode())
 
@@ -197,7 +202,7 @@ class GatewaySession:
         started = time.monotonic()
         try:
             result = await asyncio.wait_for(
-                self.model.generate(self.episode_id, ids, params),
+                self.model.generate(self.episode_id, ids, params, self._routes_start()),
                 max(0.001, self.limits.deadline - started))
         except TimeoutError:
             self._refuse(GatewayLimit(f"episode {self.episode_id} ran out of wall time while "

@@ -495,3 +495,27 @@ def test_informative_sampling_spends_generation_on_tasks_whose_groups_vary() -> 
         assert written <= 10 and dropped >= 14, (dropped, written)
 
     run_virtual(main())
+
+
+def test_episodes_of_an_moe_fleet_are_asked_to_record_routed_experts() -> None:
+    shapes: list[tuple[int, int]] = []
+
+    class ShapeRunner(ScriptedRunner):
+        async def run(self, request: sandbox_pb2.RunEpisodeRequest) -> common_pb2.Trajectory:
+            shapes.append((request.routed_experts_num_layers, request.routed_experts_top_k))
+            return await super().run(request)
+
+    async def main(route_shape: tuple[int, int] | None) -> None:
+        cfg = SchedulerConfig(max_concurrent_samples=4, n_samples_per_prompt=2,
+                              num_groups_per_batch=1, max_staleness=None)
+        sched = Scheduler(cfg, task_sampler(cfg, ["a"]), ShapeRunner(), MemorySink(),
+                          id_prefix="t", route_shape=route_shape)
+        await sched.start()
+        await asyncio.sleep(0.5)
+        await sched.stop()
+
+    run_virtual(main((48, 8)))
+    assert shapes and set(shapes) == {(48, 8)}
+    shapes.clear()
+    run_virtual(main(None))  # a dense fleet: nothing asked
+    assert shapes and set(shapes) == {(0, 0)}

@@ -92,3 +92,37 @@ def test_the_api_key_never_goes_on_a_command_line(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
     assert keyed_launch(sglang, None, tmp_path, 0) == ([], None)
+
+
+def _hf_config(folder: Path, **fields: object) -> str:
+    import json
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 6, **fields}))
+    return str(folder)
+
+
+def test_moe_models_get_the_routed_experts_flag_and_their_route_shape(tmp_path: Path) -> None:
+    from services.common.errors import ConfigError
+    from services.rollout.sglang_command import ROUTED_EXPERTS_FLAG, fleet_route_shape
+
+    qwen = _hf_config(tmp_path / "qwen", num_experts=64, num_experts_per_tok=8,
+                      decoder_sparse_step=2, mlp_only_layers=[1])
+    glm = _hf_config(tmp_path / "glm", n_routed_experts=256, num_experts_per_tok=8,
+                     first_k_dense_replace=3)
+    dense = _hf_config(tmp_path / "dense")
+    moe = FleetConfig(kind="sglang", num_engines=1, model_path=qwen)
+    assert fleet_route_shape(moe) == (2, 8)  # layers 3 and 5 (1 is kept dense)
+    assert ROUTED_EXPERTS_FLAG in engine_command(moe, "h", 1, 0)
+    builtin = FleetConfig(kind="builtin", num_engines=1, model_path=glm)
+    assert fleet_route_shape(builtin) == (3, 8)
+    assert ROUTED_EXPERTS_FLAG in engine_command(builtin, "h", 1, 0)
+    off = FleetConfig(kind="sglang", num_engines=1, model_path=qwen, routed_experts=False)
+    assert fleet_route_shape(off) is None
+    assert ROUTED_EXPERTS_FLAG not in engine_command(off, "h", 1, 0)
+    plain = FleetConfig(kind="sglang", num_engines=1, model_path=dense)
+    assert fleet_route_shape(plain) is None
+    assert ROUTED_EXPERTS_FLAG not in engine_command(plain, "h", 1, 0)
+    with pytest.raises(ConfigError, match="is not an MoE model"):
+        fleet_route_shape(FleetConfig(kind="sglang", num_engines=1, model_path=dense,
+                                      routed_experts=True))

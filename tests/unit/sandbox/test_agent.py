@@ -27,7 +27,8 @@ class ListModel:
         self.max_new: list[int] = []
 
     async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams) -> GenerateResult:
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
         self.inputs.append(list(input_ids))
         self.max_new.append(sampling.max_new_tokens)
         return self.results.pop(0)
@@ -157,3 +158,64 @@ def test_turns_text_and_engine_counts_are_kept_for_the_episode_detail() -> None:
     assert "echo hi" in run.turns[0]["assistant"] and run.turns[1]["observation"] == ""
     assert (run.engine_url, run.dp_rank, run.prompt_tokens, run.cached_tokens) == (
         "http://e", 1, 110, 40)
+
+
+class RoutingModel(ListModel):
+    """ListModel that also answers routed experts as an engine does: for the input positions
+    from the asked start to the last one forwarded, expert ids made from the position."""
+
+    def __init__(self, results: list[GenerateResult]) -> None:
+        super().__init__(results)
+        self.starts: list[int | None] = []
+
+    async def generate(self, session_key: str, input_ids: list[int],
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
+        import dataclasses
+
+        import numpy as np
+
+        result = await super().generate(session_key, input_ids, sampling)
+        self.starts.append(routed_experts_start)
+        assert routed_experts_start is not None
+        end = len(input_ids) + len(result.output_ids) - 1
+        ids = _routes_at(np.arange(routed_experts_start, end))
+        return dataclasses.replace(result, routed_experts=ids.astype("<i4").tobytes())
+
+
+def _routes_at(positions):  # noqa: ANN001, ANN202
+    """[n, 3 MoE layers, top-2] ids of an engine with 300 experts (so uint16 on the wire)."""
+    import numpy as np
+
+    return np.stack([positions % 300, (positions + 1) % 300], axis=-1)[:, None, :].repeat(3, 1)
+
+
+def test_routed_experts_are_asked_from_where_the_last_turn_ended_and_packed() -> None:
+    import numpy as np
+
+    from services.common.routed_experts import unpack_routes
+
+    first = _turn(command_turn("echo hi", 5), version=3)
+    model = RoutingModel([first, _turn("<task_complete/>", version=3)])
+    run = asyncio.run(TerminalAgent(model, CHAT, FakeProvider(output="hi\n"), AgentConfig())
+                      .run(HANDLE, "do the task", "sample-1",
+                           common_pb2.SamplingParams(max_new_tokens=512), 60.0,
+                           route_shape=(3, 2)))
+    trace = run.trace
+    # The second call asks from the last output id of the first, which was never forwarded.
+    assert model.starts == [0, len(trace.prompt_ids) + len(first.output_ids) - 1]
+    trajectory = common_pb2.Trajectory()
+    trace.fill(trajectory)
+    assert (trajectory.routed_experts_num_layers, trajectory.routed_experts_top_k) == (3, 2)
+    n = trace.num_tokens
+    assert len(trajectory.routed_experts) == 2 * (n - 1) * 3 * 2  # uint16: ids reach 299
+    routes = unpack_routes(trajectory.routed_experts, trajectory.routed_experts_present, n, 3, 2)
+    assert np.array_equal(routes[: n - 1], _routes_at(np.arange(n - 1)))
+    assert (routes[n - 1] == -1).all()  # the final token was never forwarded
+
+
+def test_without_a_route_shape_no_routes_are_asked() -> None:
+    model = ListModel([_turn("<task_complete/>", 1)])
+    trajectory = common_pb2.Trajectory()
+    _run(TerminalAgent(model, CHAT, FakeProvider(), AgentConfig())).trace.fill(trajectory)
+    assert trajectory.routed_experts == b"" and trajectory.routed_experts_num_layers == 0

@@ -58,7 +58,8 @@ class EngineReplay:
         self.turns = list(turns)
 
     async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams) -> GenerateResult:
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
         ids = CHAT.encode(self.turns.pop(0)) + [CHAT.end_of_turn_id]
         return GenerateResult(ids, [-0.5] * len(ids), "stop", 2)
 

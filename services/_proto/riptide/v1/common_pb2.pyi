@@ -75,7 +75,7 @@ class EpisodeTimings(_message.Message):
     def __init__(self, sandbox_create_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., exec_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., total_s: _Optional[float] = ..., queued_s: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("sample_id", "group_id", "task_id", "sample_index", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "status", "status_message", "num_turns", "finish_reason", "timings", "engine_url", "dp_rank", "prompt_tokens", "cached_tokens", "no_verdict_cause", "segments")
+    __slots__ = ("sample_id", "group_id", "task_id", "sample_index", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "status", "status_message", "num_turns", "finish_reason", "timings", "engine_url", "dp_rank", "prompt_tokens", "cached_tokens", "no_verdict_cause", "segments", "routed_experts", "routed_experts_num_layers", "routed_experts_top_k", "routed_experts_present")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,10 @@ class Trajectory(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NO_VERDICT_CAUSE_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_PRESENT_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     group_id: str
     task_id: str
@@ -118,23 +122,31 @@ class Trajectory(_message.Message):
     cached_tokens: int
     no_verdict_cause: NoVerdictCause
     segments: _containers.RepeatedCompositeFieldContainer[TrajectorySegment]
-    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., status_message: _Optional[str] = ..., num_turns: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[EpisodeTimings, _Mapping]] = ..., engine_url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., no_verdict_cause: _Optional[_Union[NoVerdictCause, str]] = ..., segments: _Optional[_Iterable[_Union[TrajectorySegment, _Mapping]]] = ...) -> None: ...
+    routed_experts: bytes
+    routed_experts_num_layers: int
+    routed_experts_top_k: int
+    routed_experts_present: bytes
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., status_message: _Optional[str] = ..., num_turns: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[EpisodeTimings, _Mapping]] = ..., engine_url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., no_verdict_cause: _Optional[_Union[NoVerdictCause, str]] = ..., segments: _Optional[_Iterable[_Union[TrajectorySegment, _Mapping]]] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_num_layers: _Optional[int] = ..., routed_experts_top_k: _Optional[int] = ..., routed_experts_present: _Optional[bytes] = ...) -> None: ...
 
 class TrajectorySegment(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "cause")
+    __slots__ = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "cause", "routed_experts", "routed_experts_present")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_PRESENT_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
     rollout_logprobs: _containers.RepeatedScalarFieldContainer[float]
     weight_versions: _containers.RepeatedScalarFieldContainer[int]
     cause: str
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., cause: _Optional[str] = ...) -> None: ...
+    routed_experts: bytes
+    routed_experts_present: bytes
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., cause: _Optional[str] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_present: _Optional[bytes] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("group_id", "task_id", "samples", "created_unix_ms", "min_weight_version")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services._proto.riptide.v1 import common_pb2 as riptide_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17riptide/v1/router.proto\x12\nriptide.v1\x1a\x17riptide/v1/common.proto\"\xb6\x01\n\x0fGenerateRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.riptide.v1.SamplingParams\x12\x16\n\x0ereturn_logprob\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1a\n\x12sglang_fields_json\x18\x06 \x01(\t\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x12\n\nengine_url\x18\x07 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x08 \x01(\x05\x12\x18\n\x10\x65ngine_latency_s\x18\t \x01(\x01\x12\x1e\n\x16output_weight_versions\x18\n \x03(\x03\"$\n\x15RegisterEngineRequest\x12\x0b\n\x03url\x18\x01 \x01(\t\"*\n\x16RegisterEngineResponse\x12\x10\n\x08\x64p_ranks\x18\x01 \x03(\x05\"5\n\x17\x44\x65registerEngineRequest\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\x1a\n\x18\x44\x65registerEngineResponse\"1\n\x17SetWeightVersionRequest\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\"\x1a\n\x18SetWeightVersionResponse\"(\n\x11\x45ndSessionRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\"#\n\x12\x45ndSessionResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xf6\x03\n\x06Router\x12\x45\n\x08Generate\x12\x1b.riptide.v1.GenerateRequest\x1a\x1c.riptide.v1.GenerateResponse\x12W\n\x0eRegisterEngine\x12!.riptide.v1.RegisterEngineRequest\x1a\".riptide.v1.RegisterEngineResponse\x12]\n\x10\x44\x65registerEngine\x12#.riptide.v1.DeregisterEngineRequest\x1a$.riptide.v1.DeregisterEngineResponse\x12]\n\x10SetWeightVersion\x12#.riptide.v1.SetWeightVersionRequest\x1a$.riptide.v1.SetWeightVersionResponse\x12\x41\n\tGetStatus\x12\x19.riptide.v1.StatusRequest\x1a\x19.riptide.v1.ServiceStatus\x12K\n\nEndSession\x12\x1d.riptide.v1.EndSessionRequest\x1a\x1e.riptide.v1.EndSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17riptide/v1/router.proto\x12\nriptide.v1\x1a\x17riptide/v1/common.proto\"\xb6\x01\n\x0fGenerateRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.riptide.v1.SamplingParams\x12\x16\n\x0ereturn_logprob\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1a\n\x12sglang_fields_json\x18\x06 \x01(\t\"\x93\x02\n\x10GenerateResponse\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x12\n\nengine_url\x18\x07 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x08 \x01(\x05\x12\x18\n\x10\x65ngine_latency_s\x18\t \x01(\x01\x12\x1e\n\x16output_weight_versions\x18\n \x03(\x03\x12\x16\n\x0erouted_experts\x18\x0b \x01(\x0c\"$\n\x15RegisterEngineRequest\x12\x0b\n\x03url\x18\x01 \x01(\t\"*\n\x16RegisterEngineResponse\x12\x10\n\x08\x64p_ranks\x18\x01 \x03(\x05\"5\n\x17\x44\x65registerEngineRequest\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\x1a\n\x18\x44\x65registerEngineResponse\"1\n\x17SetWeightVersionRequest\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\"\x1a\n\x18SetWeightVersionResponse\"(\n\x11\x45ndSessionRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\"#\n\x12\x45ndSessionResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xf6\x03\n\x06Router\x12\x45\n\x08Generate\x12\x1b.riptide.v1.GenerateRequest\x1a\x1c.riptide.v1.GenerateResponse\x12W\n\x0eRegisterEngine\x12!.riptide.v1.RegisterEngineRequest\x1a\".riptide.v1.RegisterEngineResponse\x12]\n\x10\x44\x65registerEngine\x12#.riptide.v1.DeregisterEngineRequest\x1a$.riptide.v1.DeregisterEngineResponse\x12]\n\x10SetWeightVersion\x12#.riptide.v1.SetWeightVersionRequest\x1a$.riptide.v1.SetWeightVersionResponse\x12\x41\n\tGetStatus\x12\x19.riptide.v1.StatusRequest\x1a\x19.riptide.v1.ServiceStatus\x12K\n\nEndSession\x12\x1d.riptide.v1.EndSessionRequest\x1a\x1e.riptide.v1.EndSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=65
   _globals['_GENERATEREQUEST']._serialized_end=247
   _globals['_GENERATERESPONSE']._serialized_start=250
-  _globals['_GENERATERESPONSE']._serialized_end=501
-  _globals['_REGISTERENGINEREQUEST']._serialized_start=503
-  _globals['_REGISTERENGINEREQUEST']._serialized_end=539
-  _globals['_REGISTERENGINERESPONSE']._serialized_start=541
-  _globals['_REGISTERENGINERESPONSE']._serialized_end=583
-  _globals['_DEREGISTERENGINEREQUEST']._serialized_start=585
-  _globals['_DEREGISTERENGINEREQUEST']._serialized_end=638
-  _globals['_DEREGISTERENGINERESPONSE']._serialized_start=640
-  _globals['_DEREGISTERENGINERESPONSE']._serialized_end=666
-  _globals['_SETWEIGHTVERSIONREQUEST']._serialized_start=668
-  _globals['_SETWEIGHTVERSIONREQUEST']._serialized_end=717
-  _globals['_SETWEIGHTVERSIONRESPONSE']._serialized_start=719
-  _globals['_SETWEIGHTVERSIONRESPONSE']._serialized_end=745
-  _globals['_ENDSESSIONREQUEST']._serialized_start=747
-  _globals['_ENDSESSIONREQUEST']._serialized_end=787
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=789
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=824
-  _globals['_ROUTER']._serialized_start=827
-  _globals['_ROUTER']._serialized_end=1329
+  _globals['_GENERATERESPONSE']._serialized_end=525
+  _globals['_REGISTERENGINEREQUEST']._serialized_start=527
+  _globals['_REGISTERENGINEREQUEST']._serialized_end=563
+  _globals['_REGISTERENGINERESPONSE']._serialized_start=565
+  _globals['_REGISTERENGINERESPONSE']._serialized_end=607
+  _globals['_DEREGISTERENGINEREQUEST']._serialized_start=609
+  _globals['_DEREGISTERENGINEREQUEST']._serialized_end=662
+  _globals['_DEREGISTERENGINERESPONSE']._serialized_start=664
+  _globals['_DEREGISTERENGINERESPONSE']._serialized_end=690
+  _globals['_SETWEIGHTVERSIONREQUEST']._serialized_start=692
+  _globals['_SETWEIGHTVERSIONREQUEST']._serialized_end=741
+  _globals['_SETWEIGHTVERSIONRESPONSE']._serialized_start=743
+  _globals['_SETWEIGHTVERSIONRESPONSE']._serialized_end=769
+  _globals['_ENDSESSIONREQUEST']._serialized_start=771
+  _globals['_ENDSESSIONREQUEST']._serialized_end=811
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=813
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=848
+  _globals['_ROUTER']._serialized_start=851
+  _globals['_ROUTER']._serialized_end=1353
 # @@protoc_insertion_point(module_scope)

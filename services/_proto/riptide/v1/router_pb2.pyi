@@ -24,7 +24,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, session_key: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., request_id: _Optional[str] = ..., sglang_fields_json: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("output_ids", "output_logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "weight_version", "engine_url", "dp_rank", "engine_latency_s", "output_weight_versions")
+    __slots__ = ("output_ids", "output_logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "weight_version", "engine_url", "dp_rank", "engine_latency_s", "output_weight_versions", "routed_experts")
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class GenerateResponse(_message.Message):
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     output_logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: str
@@ -45,7 +46,8 @@ class GenerateResponse(_message.Message):
     dp_rank: int
     engine_latency_s: float
     output_weight_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., weight_version: _Optional[int] = ..., engine_url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., engine_latency_s: _Optional[float] = ..., output_weight_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    routed_experts: bytes
+    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., weight_version: _Optional[int] = ..., engine_url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., engine_latency_s: _Optional[float] = ..., output_weight_versions: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[bytes] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("url",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services._proto.riptide.v1 import common_pb2 as riptide_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18riptide/v1/sandbox.proto\x12\nriptide.v1\x1a\x17riptide/v1/common.proto\"\x94\x01\n\x11RunEpisodeRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\tsample_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.riptide.v1.SamplingParams\"P\n\x0f\x45pisodeProgress\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04turn\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"v\n\x0c\x45pisodeEvent\x12/\n\x08progress\x18\x01 \x01(\x0b\x32\x1b.riptide.v1.EpisodeProgressH\x00\x12,\n\ntrajectory\x18\x02 \x01(\x0b\x32\x16.riptide.v1.TrajectoryH\x00\x42\x07\n\x05\x65vent\"\x12\n\x10ListTasksRequest\"%\n\x11ListTasksResponse\x12\x10\n\x08task_ids\x18\x01 \x03(\t2\xdf\x01\n\x07Sandbox\x12G\n\nRunEpisode\x12\x1d.riptide.v1.RunEpisodeRequest\x1a\x18.riptide.v1.EpisodeEvent0\x01\x12H\n\tListTasks\x12\x1c.riptide.v1.ListTasksRequest\x1a\x1d.riptide.v1.ListTasksResponse\x12\x41\n\tGetStatus\x12\x19.riptide.v1.StatusRequest\x1a\x19.riptide.v1.ServiceStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18riptide/v1/sandbox.proto\x12\nriptide.v1\x1a\x17riptide/v1/common.proto\"\xd5\x01\n\x11RunEpisodeRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\tsample_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.riptide.v1.SamplingParams\x12!\n\x19routed_experts_num_layers\x18\x06 \x01(\r\x12\x1c\n\x14routed_experts_top_k\x18\x07 \x01(\r\"P\n\x0f\x45pisodeProgress\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04turn\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"v\n\x0c\x45pisodeEvent\x12/\n\x08progress\x18\x01 \x01(\x0b\x32\x1b.riptide.v1.EpisodeProgressH\x00\x12,\n\ntrajectory\x18\x02 \x01(\x0b\x32\x16.riptide.v1.TrajectoryH\x00\x42\x07\n\x05\x65vent\"\x12\n\x10ListTasksRequest\"%\n\x11ListTasksResponse\x12\x10\n\x08task_ids\x18\x01 \x03(\t2\xdf\x01\n\x07Sandbox\x12G\n\nRunEpisode\x12\x1d.riptide.v1.RunEpisodeRequest\x1a\x18.riptide.v1.EpisodeEvent0\x01\x12H\n\tListTasks\x12\x1c.riptide.v1.ListTasksRequest\x1a\x1d.riptide.v1.ListTasksResponse\x12\x41\n\tGetStatus\x12\x19.riptide.v1.StatusRequest\x1a\x19.riptide.v1.ServiceStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'riptide.v1.sandbox_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUNEPISODEREQUEST']._serialized_start=66
-  _globals['_RUNEPISODEREQUEST']._serialized_end=214
-  _globals['_EPISODEPROGRESS']._serialized_start=216
-  _globals['_EPISODEPROGRESS']._serialized_end=296
-  _globals['_EPISODEEVENT']._serialized_start=298
-  _globals['_EPISODEEVENT']._serialized_end=416
-  _globals['_LISTTASKSREQUEST']._serialized_start=418
-  _globals['_LISTTASKSREQUEST']._serialized_end=436
-  _globals['_LISTTASKSRESPONSE']._serialized_start=438
-  _globals['_LISTTASKSRESPONSE']._serialized_end=475
-  _globals['_SANDBOX']._serialized_start=478
-  _globals['_SANDBOX']._serialized_end=701
+  _globals['_RUNEPISODEREQUEST']._serialized_end=279
+  _globals['_EPISODEPROGRESS']._serialized_start=281
+  _globals['_EPISODEPROGRESS']._serialized_end=361
+  _globals['_EPISODEEVENT']._serialized_start=363
+  _globals['_EPISODEEVENT']._serialized_end=481
+  _globals['_LISTTASKSREQUEST']._serialized_start=483
+  _globals['_LISTTASKSREQUEST']._serialized_end=501
+  _globals['_LISTTASKSRESPONSE']._serialized_start=503
+  _globals['_LISTTASKSRESPONSE']._serialized_end=540
+  _globals['_SANDBOX']._serialized_start=543
+  _globals['_SANDBOX']._serialized_end=766
 # @@protoc_insertion_point(module_scope)

@@ -8,18 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunEpisodeRequest(_message.Message):
-    __slots__ = ("task_id", "sample_id", "group_id", "sample_index", "sampling_params")
+    __slots__ = ("task_id", "sample_id", "group_id", "sample_index", "sampling_params", "routed_experts_num_layers", "routed_experts_top_k")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_TOP_K_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     sample_id: str
     group_id: str
     sample_index: int
     sampling_params: _common_pb2.SamplingParams
-    def __init__(self, task_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    routed_experts_num_layers: int
+    routed_experts_top_k: int
+    def __init__(self, task_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., routed_experts_num_layers: _Optional[int] = ..., routed_experts_top_k: _Optional[int] = ...) -> None: ...
 
 class EpisodeProgress(_message.Message):
     __slots__ = ("kind", "turn", "detail", "elapsed_s")

@@ -33,7 +33,8 @@ class RecordingModel:
         self.calls: list[tuple[str, list[int], common_pb2.SamplingParams]] = []
 
     async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams) -> GenerateResult:
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
         self.calls.append((session_key, list(input_ids), sampling))
         ids = self.replies[len(self.calls) - 1]
         return GenerateResult(ids, [-0.1 * (i + 1) for i in range(len(ids))], self.finish, 2)
@@ -110,3 +111,50 @@ def test_an_aborted_call_marks_the_episode() -> None:
     with pytest.raises(Unavailable):
         chat(s, [{"role": "user", "content": "hi"}])
     assert s.aborted
+
+
+class RoutingModel(RecordingModel):
+    """Also answers routed experts as an engine does: ids made from each input position,
+    from the asked start through the last position forwarded."""
+
+    def __init__(self, replies: list[list[int]]) -> None:
+        super().__init__(replies)
+        self.starts: list[int | None] = []
+
+    async def generate(self, session_key: str, input_ids: list[int],
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
+        import dataclasses
+
+        import numpy as np
+
+        result = await super().generate(session_key, input_ids, sampling)
+        self.starts.append(routed_experts_start)
+        assert routed_experts_start is not None
+        positions = np.arange(routed_experts_start, len(input_ids) + len(result.output_ids) - 1)
+        ids = np.stack([positions % 60, positions % 60 + 60], -1)[:, None, :]
+        return dataclasses.replace(result, routed_experts=ids.astype("<i4").tobytes())
+
+
+def test_each_segment_records_its_routes_from_its_own_start() -> None:
+    import numpy as np
+
+    from services.common.routed_experts import unpack_routes
+
+    model = RoutingModel([[ord("a"), EOT], [ord("b"), EOT], [ord("c"), EOT]])
+    s = GatewaySession("ep-1", model, ChatRenderer(TOKENIZER, TOKENIZER.chat_template, {EOT}),
+                       common_pb2.SamplingParams(), SessionLimits(5, 4096, 64,
+                                                                  time.monotonic() + 60),
+                       GatewayStats(), parse_tools=False, route_shape=(1, 2))
+    history = [{"role": "user", "content": "hi"}]
+    chat(s, history)
+    chat(s, [*history, {"role": "assistant", "content": "a"}, {"role": "user", "content": "go"}])
+    chat(s, [{"role": "user", "content": "summary"}])  # rewritten: a new segment from 0
+    first, second = s.trace.segments
+    assert model.starts == [0, len(model.calls[0][1]) + 2 - 1, 0]
+    for segment in (first, second):
+        n = segment.num_tokens
+        routes = unpack_routes(*segment.packed_routes(), n, 1, 2)
+        expected = np.arange(n - 1) % 60
+        assert (routes[: n - 1, 0, 0] == expected).all() and (routes[n - 1] == -1).all()
+    assert second.as_segment().routed_experts  # the segment's proto carries them
