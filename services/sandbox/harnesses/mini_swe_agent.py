@@ -79,13 +79,13 @@ class MiniSweAgentHarness(Harness):
 
 
 def _import_mini_swe_agent() -> dict[str, Any]:
-    offline_litellm()
     # Read at import: no banner on stdout, and no user-wide config (.env with keys and a
     # default model) mixed into a training run.
     os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
     os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR",
                           str(Path(tempfile.gettempdir()) / "riptide-mini-swe-agent"))
     try:
+        offline_litellm()
         import yaml
         from minisweagent.agents.default import DefaultAgent
         from minisweagent.config import builtin_config_dir

@@ -66,8 +66,8 @@ class Terminus2Harness(Harness):
 
 
 def _import_harbor() -> tuple[Any, Any, Any]:
-    offline_litellm()
     try:
+        offline_litellm()
         from harbor.agents.terminus_2 import Terminus2
         from harbor.models.agent.context import AgentContext
 
