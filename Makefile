@@ -19,7 +19,7 @@ TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose podman:podman deboots
 # `make image`: the Riptide image, built offline (scripts/build_image.sh; BASE_IMAGE etc.).
 IMAGE ?= riptide:latest
 
-.PHONY: setup system-deps test-deps demo learn test lint typecheck compose-check image protos bench clean
+.PHONY: setup system-deps test-deps demo learn test lint typecheck compose-check docs image protos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -46,7 +46,7 @@ learn: setup
 	$(PY) -m pip install --quiet -e ".[smollm2]"
 	$(PY) bench/learning.py $(LEARN_ARGS)
 
-test: $(VENV)/.installed test-deps lint typecheck compose-check
+test: $(VENV)/.installed test-deps lint typecheck compose-check docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
@@ -60,6 +60,10 @@ typecheck: $(VENV)/.installed
 compose-check:
 	RIPTIDE_ADMIN_TOKEN=compose-check-token docker-compose config -q
 
+# The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 image: $(VENV)/.installed
 	PYTHON=$(PY) scripts/build_image.sh $(IMAGE)
 
@@ -70,4 +74,4 @@ bench: $(VENV)/.installed system-deps
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .riptide .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .riptide .pytest_cache .mypy_cache .ruff_cache site

@@ -51,7 +51,6 @@ import argparse
 import asyncio
 import heapq
 import json
-import os
 import random
 import statistics
 import sys
@@ -69,6 +68,12 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
+from services.testing.latency import (  # noqa: E402
+    T95,
+    paired_difference,
+    percentile,
+    process_cpu_s,
+)
 from services.testing.router_process import RouterProcess  # noqa: E402
 from services.testing.sglang_router_process import (  # noqa: E402
     SglangRouterProcess,
@@ -301,11 +306,6 @@ def imbalance(calls: list[tuple[float, float, int]], num_engines: int, t0: float
     return weighted / total_time if total_time else 0.0
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-
 async def _eject_window(engine: SimEngineProcess, pending: list[SessionSpec]) -> None:
     """Fail the engine while the second third of the sessions starts (by progress, not time)."""
     total = len(pending)
@@ -435,11 +435,6 @@ def repeated_target(default: list[dict[str, Any]], perfect: list[dict[str, Any]]
             "met": ratio >= 0.98 and mean - half <= 0}  # fmt: skip
 
 
-#: two-sided 95% quantiles of Student's t by degrees of freedom (1..10)
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-       9: 2.262, 10: 2.228}
-
-
 def _run_trace_once(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
     specs = workload(trace, args)
     engines = start_engines(trace, specs, args)
@@ -544,25 +539,6 @@ async def _overhead_round(engine: SimEngineProcess, router: RouterProcess,
             out[f"{name}_vs_sglang_router"] = paired_difference(per_round[name],
                                                                 per_round["sglang_router"])
     return out
-
-
-def process_cpu_s(pid: int) -> float:
-    """User plus system CPU seconds a process has used so far, all its threads together."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def paired_difference(mine: list[list[float]], theirs: list[list[float]]) -> dict[str, Any]:
-    """Round by round, p50 latency of `mine` minus `theirs` (ms; the same engine and client,
-    so the difference is the difference in overhead): the mean, its 95% interval (Student's
-    t), `at_most` when the interval reaches 0 or below (not shown higher) and `lower` when it
-    lies below 0."""
-    diffs = [percentile(m, 0.5) - percentile(t, 0.5) for m, t in zip(mine, theirs, strict=True)]
-    mean = statistics.fmean(diffs)
-    half = T95[len(diffs) - 1] * statistics.stdev(diffs) / len(diffs) ** 0.5
-    return {"mean_ms": round(mean, 4), "ci95_ms": [round(mean - half, 4), round(mean + half, 4)],
-            "rounds_lower": sum(d < 0 for d in diffs), "rounds": len(diffs),
-            "at_most": mean - half <= 0, "lower": mean + half < 0}
 
 
 def run_overhead(args: argparse.Namespace) -> dict[str, Any]:

@@ -40,5 +40,9 @@ def no_verdict_trajectory(request: sandbox_pb2.RunEpisodeRequest,
 
 
 def generated_versions(trajectory: common_pb2.Trajectory) -> set[int]:
-    """The distinct weight versions of the model-generated tokens of a trajectory."""
-    return {int(v) for v in trajectory.weight_versions if v >= 0}
+    """The distinct weight versions of the model-generated tokens of a trajectory (all of
+    its segments)."""
+    versions = {int(v) for v in trajectory.weight_versions if v >= 0}
+    for segment in trajectory.segments:
+        versions.update(int(v) for v in segment.weight_versions if v >= 0)
+    return versions

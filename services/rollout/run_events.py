@@ -15,6 +15,7 @@ from typing import Any
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
 from services.common.events import EventPublisher
+from services.rollout.episodes import generated_versions
 
 
 class RolloutEvents:
@@ -29,7 +30,7 @@ class RolloutEvents:
                 started: float, weight_version: int, evaluation: bool = False) -> None:
         if not self.publisher.enabled:
             return  # building the attrs is the only cost on the scheduler's path
-        versions = sorted({int(v) for v in trajectory.weight_versions if v >= 0})
+        versions = sorted(generated_versions(trajectory))
         scored = trajectory.status == common_pb2.VERDICT_STATUS_SCORED
         verdict = common_pb2.VerdictStatus.Name(trajectory.status).removeprefix(
             "VERDICT_STATUS_").lower()
@@ -40,6 +41,7 @@ class RolloutEvents:
             "dp_rank": trajectory.dp_rank, "turns": trajectory.num_turns,
             "prompt_tokens": len(trajectory.prompt_ids),
             "response_tokens": len(trajectory.response_ids),
+            "segments": 1 + len(trajectory.segments),
             "engine_prompt_tokens": trajectory.prompt_tokens,
             "cached_tokens": trajectory.cached_tokens,
             "reward": trajectory.reward if scored else None, "verdict": verdict,

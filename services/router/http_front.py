@@ -11,7 +11,7 @@ With `run.engine_api_key` set, every route but `/health*` wants `Authorization: 
 <key>`, as sglang-router's `--api-key` (the same key it sends its workers) and SGLang itself
 do, else 401 `{"error": "Unauthorized"}`: the front spends the engines that key guards.
 
-Served by the lean HTTP/1.1 server (http1_server.py) on the router's own event loop;
+Served by the lean HTTP/1.1 server (services/common/http1_server.py) on the router's own event loop;
 started and stopped by RouterRuntime.
 """
 
@@ -26,7 +26,7 @@ import httpx
 import orjson
 
 from services.common.errors import InvalidRequest, RiptideError, Unavailable
-from services.router.http1_server import Handler, Http1Server, Reply, Request
+from services.common.http1_server import Handler, Http1Server, Reply, Request
 from services.router.servicer import json_object
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from services._proto.riptide.v1 import common_pb2
 from services.common.errors import Unavailable
@@ -27,6 +27,10 @@ from services.sandbox.protocol import make_protocol
 from services.sandbox.provider import ExecResult, SandboxHandle, SandboxProvider
 from services.sandbox.reply_format import Command, format_command_result
 from services.sandbox.shell_session import ShellSession
+from services.sandbox.token_trace import TokenTrace
+
+if TYPE_CHECKING:
+    from services.sandbox.task import Task
 
 ProgressFn = Callable[[str, int, str], None]
 
@@ -37,40 +41,12 @@ class GenerationAborted(Unavailable):
 
 
 @dataclass
-class TokenTrace:
-    """The episode's token sequence with its per-token training data."""
-
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
-    def add_model(self, result: GenerateResult) -> None:
-        count = len(result.output_ids)
-        logprobs = list(result.output_logprobs[:count])
-        logprobs += [0.0] * (count - len(logprobs))
-        self.response_ids += result.output_ids
-        self.loss_mask += [1] * count
-        self.logprobs += logprobs
-        self.weight_versions += result.token_versions()
-
-    def add_context(self, ids: list[int]) -> None:
-        self.response_ids += ids
-        self.loss_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.weight_versions += [-1] * len(ids)
-
-
-@dataclass
 class AgentRun:
     """What the agent did: the tokens, how it stopped and where its time went."""
 
     trace: TokenTrace
+    #: Segments after the first (agents behind the gateway whose history did not extend).
+    extra_segments: list[TokenTrace] = field(default_factory=list)
     num_turns: int = 0
     finish_reason: str = ""
     generate_s: float = 0.0
@@ -91,6 +67,18 @@ class AgentRun:
                            "observation": ""})
 
 
+class EpisodeAgent(Protocol):
+    """What the episode runner drives: the built-in agent or a harness behind the gateway."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    async def run(self, handle: SandboxHandle, instruction: str, session_key: str,
+                  sampling: common_pb2.SamplingParams, wall_time_s: float,
+                  on_progress: ProgressFn | None = None, task: Task | None = None
+                  ) -> AgentRun: ...
+
+
 class TerminalAgent:
     """Runs one episode's turns against a live sandbox."""
 
@@ -101,12 +89,16 @@ class TerminalAgent:
         self.provider = provider
         self.config = config
 
+    @property
+    def tokenizer(self) -> Any:
+        return self.chat.tokenizer
+
     def system_prompt(self) -> str:
         return make_protocol(self.config).system_prompt()
 
     async def run(self, handle: SandboxHandle, instruction: str, session_key: str,
                   sampling: common_pb2.SamplingParams, wall_time_s: float,
-                  on_progress: ProgressFn | None = None) -> AgentRun:
+                  on_progress: ProgressFn | None = None, task: Task | None = None) -> AgentRun:
         """Turns until the model declares completion or a limit is reached."""
         progress = on_progress or (lambda kind, turn, detail: None)
         limits = self.config

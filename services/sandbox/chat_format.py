@@ -18,7 +18,7 @@ _ASSISTANT = "\x00RIPTIDE-ASSISTANT\x00"
 _USER_2 = "\x00RIPTIDE-USER-2\x00"
 
 # Used when a tokenizer has no chat template (plain byte-level tokenizers in tests).
-_CHATML = (
+CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -36,7 +36,7 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._template = getattr(tokenizer, "chat_template", None) or _CHATML
+        self._template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
             raise ConfigError("the tokenizer has no eos_token_id: cannot close assistant turns")

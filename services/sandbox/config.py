@@ -65,6 +65,10 @@ class AgentConfig(StrictModel):
     persistent_shell: bool = Field(
         True, description="one shell per episode: cwd, variables and functions carry over "
                           "between commands (False: each command starts afresh)")
+    harness: Literal["builtin", "terminus2", "mini_swe_agent"] = Field(
+        "builtin", description="builtin: the protocol above, run by Riptide's own agent; "
+                               "terminus2 (Harbor) or mini_swe_agent: that third-party agent, "
+                               "unchanged, through the agent gateway")
 
     @model_validator(mode="after")
     def _timeouts(self) -> AgentConfig:
@@ -72,6 +76,19 @@ class AgentConfig(StrictModel):
             raise ValueError("default_command_timeout_s exceeds max_command_timeout_s; "
                              "lower the default or raise the cap")
         return self
+
+
+class GatewayConfig(StrictModel):
+    """The agent gateway: an OpenAI-compatible endpoint per episode for black-box harnesses."""
+
+    enabled: bool | None = Field(
+        None, description="serve the gateway (default: when agent.harness is not builtin)")
+    host: str = Field("127.0.0.1", description="interface the gateway listens on (harnesses run "
+                                               "beside the sandbox service)")
+    port: int = Field(0, ge=0, le=65535, description="gateway HTTP port (0 picks a free one)")
+    model_name: str = Field("riptide", min_length=1, max_length=128,
+                            description="the model name /v1/models lists and answers carry")
+    max_body_kb: int = Field(16384, ge=64, le=1 << 20, description="largest request body")
 
 
 class ScriptedClientConfig(StrictModel):
@@ -109,6 +126,8 @@ class SandboxConfig(ServiceConfig):
     tokenizer_path: str | None = Field(None, description="Hugging Face tokenizer folder (default:"
                                                          " the tiny model's byte-level one)")
     agent: AgentConfig = Field(default_factory=AgentConfig, description="agent limits")
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig,
+                                   description="the OpenAI-compatible agent gateway")
     scripted: ScriptedClientConfig = Field(default_factory=ScriptedClientConfig,
                                            description="scripted client (model_client=scripted)")
     live_snapshot_interval_s: float = Field(
@@ -117,6 +136,22 @@ class SandboxConfig(ServiceConfig):
     live_snapshot_heartbeat_s: float = Field(
         10.0, ge=1.0, le=3600.0, description="a `sandbox.live` event at least this often, "
                                              "changed or not")
+
+    @property
+    def gateway_enabled(self) -> bool:
+        if self.gateway.enabled is None:
+            return self.agent.harness != "builtin"
+        return self.gateway.enabled
+
+    @model_validator(mode="after")
+    def _harness_needs_gateway(self) -> SandboxConfig:
+        if self.agent.harness != "builtin" and self.gateway.enabled is False:
+            raise ValueError(f"sandbox.agent.harness = {self.agent.harness!r} reaches the model "
+                             "through the gateway: leave sandbox.gateway.enabled unset or true")
+        if self.agent.harness != "builtin" and self.model_client == "scripted":
+            raise ValueError("the scripted model client replays the built-in protocol: use "
+                             "sandbox.agent.harness = 'builtin' with it")
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_after_interval(self) -> SandboxConfig:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
 from services.common.errors import RiptideError
 from services.common.events import EventPublisher
-from services.sandbox.agent import AgentRun, TerminalAgent
+from services.sandbox.agent import AgentRun, EpisodeAgent
 from services.sandbox.episode_detail import episode_detail
 from services.sandbox.limiter import Limiter
 from services.sandbox.live import LiveSandboxes
@@ -34,7 +34,7 @@ EmitFn = Callable[[sandbox_pb2.EpisodeProgress], None]
 class EpisodeRunner:
     """Runs episodes under the service's caps and keeps its sandbox accounting."""
 
-    def __init__(self, provider: SandboxProvider, agent: TerminalAgent, stats: SandboxStats,
+    def __init__(self, provider: SandboxProvider, agent: EpisodeAgent, stats: SandboxStats,
                  max_concurrent_episodes: int, max_concurrent_creates: int,
                  run_name: str, delete_timeout_s: float = 60.0,
                  events: EventPublisher | None = None) -> None:
@@ -89,7 +89,7 @@ class EpisodeRunner:
             progress("sandbox_ready", 0, f"{handle.sandbox_id} in {timings.sandbox_create_s:.3f} s")
             run = await self.agent.run(handle, task.instruction, request.sample_id,
                                        request.sampling_params,
-                                       task.config.agent.timeout_sec, progress)
+                                       task.config.agent.timeout_sec, progress, task=task)
             timings.generate_s, timings.exec_s = run.generate_s, run.exec_s
             self.live.update(request.sample_id, state="verifying")
             with self.events.span("sandbox.verify", id=request.sample_id,
@@ -119,7 +119,7 @@ class EpisodeRunner:
     @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 - one runner per process, lives as long
     def _decode_one(self, token: int) -> str:
         """A token's text; cached, since episodes reuse few ids and decoding one costs ~10 us."""
-        return str(self.agent.chat.tokenizer.decode([token], skip_special_tokens=False))
+        return str(self.agent.tokenizer.decode([token], skip_special_tokens=False))
 
     async def _acquire(self, task: Task, sample_id: str,
                        timings: common_pb2.EpisodeTimings) -> SandboxHandle:
@@ -199,6 +199,7 @@ def _trajectory(task: Task, request: sandbox_pb2.RunEpisodeRequest, run: AgentRu
         trajectory.loss_mask.extend(trace.loss_mask)
         trajectory.rollout_logprobs.extend(trace.logprobs)
         trajectory.weight_versions.extend(trace.weight_versions)
+        trajectory.segments.extend(segment.as_segment() for segment in run.extra_segments)
         trajectory.num_turns = run.num_turns
         trajectory.finish_reason = run.finish_reason
         trajectory.engine_url, trajectory.dp_rank = run.engine_url, run.dp_rank

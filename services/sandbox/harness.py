@@ -34,6 +34,10 @@ class HarnessError(Unavailable):
     """The harness crashed or could not run: the episode has no verdict (agent/harness error)."""
 
 
+class HarnessTimeout(HarnessError):
+    """The harness did not return within the episode's wall time: no verdict (agent timeout)."""
+
+
 class SandboxTerminal:
     """The episode's sandbox as a harness sees it: run commands, move files."""
 

@@ -28,7 +28,7 @@ def load_tokenizer(path: str | None) -> Any:
 def build_runtime(deployment_config: Any) -> ServiceRuntime:
     """The sandbox ServiceRuntime for this deployment."""
     from services.common.events import EventPublisher
-    from services.sandbox.agent import TerminalAgent
+    from services.sandbox.agent import EpisodeAgent, TerminalAgent
     from services.sandbox.chat_format import ChatFormat
     from services.sandbox.episode import EpisodeRunner
     from services.sandbox.model_client import ModelClient, RouterModelClient, ScriptedModelClient
@@ -57,9 +57,24 @@ def build_runtime(deployment_config: Any) -> ServiceRuntime:
                                   config.generate_timeout_s)
     provider = make_provider(config.provider)
     stats = SandboxStats()
-    runner = EpisodeRunner(provider, TerminalAgent(model, chat, provider, config.agent), stats,
+    gateway = None
+    if config.gateway_enabled:
+        from services.sandbox.gateway.server import AgentGateway
+
+        gateway = AgentGateway(model, chat.tokenizer, config.gateway.model_name,
+                               config.gateway.host, config.gateway.port,
+                               config.gateway.max_body_kb * 1024)
+    agent: EpisodeAgent = TerminalAgent(model, chat, provider, config.agent)
+    if config.agent.harness != "builtin":
+        from services.sandbox.harness import make_harness
+        from services.sandbox.harness_agent import HarnessAgent
+
+        assert gateway is not None  # the config validator requires it
+        agent = HarnessAgent(make_harness(config.agent.harness), gateway, provider, config.agent)
+    runner = EpisodeRunner(provider, agent, stats,
                            config.max_concurrent_episodes, config.max_concurrent_creates,
                            deployment_config.run.name, config.delete_timeout_s,
                            EventPublisher(deployment_config.redis.url, deployment_config.run.name,
                                           "sandbox", deployment_config.run.events))
-    return SandboxService(config, tasks, provider, model, runner, stats, scripts, script_maker)
+    return SandboxService(config, tasks, provider, model, runner, stats, scripts, script_maker,
+                          gateway)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from fastapi import APIRouter
@@ -28,6 +28,9 @@ from services.sandbox.model_client import ModelClient
 from services.sandbox.provider import SandboxProvider
 from services.sandbox.stats import SandboxStats
 from services.sandbox.task import Task, TaskSet
+
+if TYPE_CHECKING:
+    from services.sandbox.gateway.server import AgentGateway
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,8 @@ class SandboxService(ServiceRuntime):
     def __init__(self, config: SandboxConfig, tasks: TaskSet, provider: SandboxProvider,
                  model: ModelClient, runner: EpisodeRunner, stats: SandboxStats,
                  scripts: dict[str, list[str]] | None = None,
-                 script_maker: Callable[[Task], list[str]] | None = None) -> None:
+                 script_maker: Callable[[Task], list[str]] | None = None,
+                 gateway: AgentGateway | None = None) -> None:
         super().__init__()
         self.config = config
         self.tunable = config
@@ -76,11 +80,15 @@ class SandboxService(ServiceRuntime):
         #: Scripted turns of the episodes in flight (model_client = "scripted" only).
         self.scripts = scripts if scripts is not None else {}
         self.script_maker = script_maker
+        self.gateway = gateway
 
     def add_to_grpc(self, server: GuardedRegistrar) -> None:
         sandbox_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(self), server)
 
     async def start(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.start()
+            log.info("agent gateway on %s", self.gateway.base_url("<episode>"))
         self._started = True
         if self.runner.events.enabled:
             self._live = asyncio.get_running_loop().create_task(publish_live(
@@ -97,6 +105,8 @@ class SandboxService(ServiceRuntime):
         if self._episodes:
             await asyncio.wait(set(self._episodes), timeout=self.config.delete_timeout_s)
         await self.runner.drain_deletes(self.config.delete_timeout_s)
+        if self.gateway is not None:
+            await self.gateway.stop()
         if self._live is not None:
             self._live.cancel()
             # the last snapshot: what is still alive after the drain (usually nothing)
@@ -117,6 +127,10 @@ class SandboxService(ServiceRuntime):
             "creates_in_flight": self.runner.creates.in_use,
             "creates_waiting": self.runner.creates.waiting,
             "provider_stats": self.provider.stats(),
+            "harness": self.config.agent.harness,
+            **({"gateway": {"url": self.gateway.base_url("<episode>"),
+                            "sessions": len(self.gateway.sessions),
+                            **self.gateway.stats.snapshot()}} if self.gateway else {}),
         }
 
     def on_config_changed(self, keys: list[str]) -> None:

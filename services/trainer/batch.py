@@ -20,7 +20,12 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group
+from services._proto.riptide.v1.common_pb2 import (
+    VERDICT_STATUS_SCORED,
+    Group,
+    Trajectory,
+    TrajectorySegment,
+)
 from services.common.errors import InvalidRequest
 from services.trainer.loss import group_advantages
 from services.trainer.shared_prefix import shareable_len
@@ -96,23 +101,25 @@ def _rows_of(group: Group, normalize_std: bool) -> tuple[list[_Row], list[float]
     adv = group_advantages(torch.tensor([rewards]), normalize_std)[0].tolist()
     rows = []
     for sample, a in zip(scored, adv, strict=True):
-        n = len(sample.response_ids)
-        if len(sample.loss_mask) != n or len(sample.rollout_logprobs) != n:
-            raise InvalidRequest(
-                f"sample {sample.sample_id} of group {group.group_id}: loss_mask "
-                f"({len(sample.loss_mask)}) and rollout_logprobs ({len(sample.rollout_logprobs)})"
-                f" must have one entry per response token ({n})"
-            )
-        p = len(sample.prompt_ids)
-        rows.append(
-            _Row(
-                ids=list(sample.prompt_ids) + list(sample.response_ids),
-                mask=[0] * p + [int(m != 0) for m in sample.loss_mask],
-                logprobs=[0.0] * p + list(sample.rollout_logprobs),
-                advantage=a,
-            )
-        )
+        # An episode's segments (agents behind the gateway) are rows of one advantage: the
+        # baseline above counted the episode once.
+        for segment in (sample, *sample.segments):
+            rows.append(_row(segment, a, sample.sample_id, group.group_id))
     return rows, rewards, len(group.samples) - len(scored)
+
+
+def _row(tokens: Trajectory | TrajectorySegment, advantage: float, sample_id: str,
+         group_id: str) -> _Row:
+    n = len(tokens.response_ids)
+    if len(tokens.loss_mask) != n or len(tokens.rollout_logprobs) != n:
+        raise InvalidRequest(
+            f"sample {sample_id} of group {group_id}: loss_mask ({len(tokens.loss_mask)}) and "
+            f"rollout_logprobs ({len(tokens.rollout_logprobs)}) must have one entry per "
+            f"response token ({n})")
+    p = len(tokens.prompt_ids)
+    return _Row(ids=list(tokens.prompt_ids) + list(tokens.response_ids),
+                mask=[0] * p + [int(m != 0) for m in tokens.loss_mask],
+                logprobs=[0.0] * p + list(tokens.rollout_logprobs), advantage=advantage)
 
 
 def _micro_batch(rows: list[_Row], pad_id: int) -> MicroBatch:
@@ -286,7 +293,7 @@ def pack_groups(
         rewards=rewards,
         min_weight_versions=[g.min_weight_version for _, g in entries],
         sample_weight_versions=sample_versions,
-        num_samples=len(rows),
+        num_samples=len(rewards),
         num_tokens=sum(len(r.ids) for r in rows),
         num_dropped_samples=dropped,
     )

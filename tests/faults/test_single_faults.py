@@ -3,8 +3,8 @@ on by itself and the audit finds every produced group trained once, dropped with
 still in the stream: none lost, none trained twice.
 
 The tests share the stack (starting it is most of the cost) and run in file order; each one
-injects one fault, waits for the trainer to take more steps, and audits. The README's "what
-survives what" table lists these faults.
+injects one fault, waits for the trainer to take more steps, and audits. The "what survives
+what" table of docs/faults.md lists these faults.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from services.router.config import RouterConfig
 from services.router.health import HealthChecker
 from services.router.registry import EngineRegistry
 from services.router.servicer import RouterServicer
-from services.sandbox.agent import TokenTrace
 from services.sandbox.model_client import GenerateResult
+from services.sandbox.token_trace import TokenTrace
 
 FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "sglang_0_5_23.json").read_text())
 URL = "http://engine:30000"

@@ -5,8 +5,9 @@ from __future__ import annotations
 from services._proto.riptide.v1 import common_pb2
 from services.common.events import EPISODE_FIELDS
 from services.common.tiny_model import build_tokenizer
-from services.sandbox.agent import AgentRun, TokenTrace
+from services.sandbox.agent import AgentRun
 from services.sandbox.episode_detail import episode_detail
+from services.sandbox.token_trace import TokenTrace
 from services.sandbox.verifier import Verdict
 
 

@@ -47,3 +47,23 @@ def test_micro_batches_respect_the_token_budget() -> None:
     assert all(r * w <= 9 for r, w in widths)
     total_adv = sum((mb.advantages * mb.loss_mask).sum() for mb in batch.micro_batches)
     assert torch.isclose(total_adv, torch.tensor(0.0), atol=1e-5)  # centred per group
+
+
+def test_segments_of_an_episode_train_as_rows_of_its_one_advantage() -> None:
+    from services._proto.riptide.v1.common_pb2 import TrajectorySegment
+
+    rewritten = _sample([1, 2], [3, 4], [1, 1], reward=1.0)
+    rewritten.segments.append(TrajectorySegment(
+        prompt_ids=[1, 9], response_ids=[5, 6], loss_mask=[0, 1], rollout_logprobs=[0.0, -0.2],
+        weight_versions=[-1, 3], cause="history_rewritten"))
+    group = Group(group_id="g", samples=[rewritten, _sample([1, 2], [7], [1], reward=0.0)])
+    batch = pack_groups([("1-0", group)], normalize_std=False, max_tokens_per_microbatch=100)
+    assert batch.num_samples == 2 and batch.rewards == [1.0, 0.0]  # the baseline: 2 episodes
+    (mb,) = batch.micro_batches
+    rows = {tuple(r[:4]) for r in mb.input_ids.tolist()}
+    assert rows == {(1, 2, 3, 4), (1, 9, 5, 6), (1, 2, 7, 0)}
+    segment_row = [i for i in range(3) if mb.input_ids[i, :2].tolist() == [1, 9]][0]
+    assert mb.advantages[segment_row, 3].item() == 0.5  # the episode's advantage, not its own
+    assert mb.loss_mask[segment_row].tolist()[:4] == [0, 0, 0, 1]
+    with_segment = [i for i in range(3) if mb.input_ids[i, :4].tolist() == [1, 2, 3, 4]][0]
+    assert mb.advantages[with_segment, 2].item() == 0.5

@@ -54,7 +54,7 @@ class EpisodeTimings(_message.Message):
     def __init__(self, sandbox_create_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., exec_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., total_s: _Optional[float] = ..., queued_s: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("sample_id", "group_id", "task_id", "sample_index", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "status", "status_message", "num_turns", "finish_reason", "timings", "engine_url", "dp_rank", "prompt_tokens", "cached_tokens")
+    __slots__ = ("sample_id", "group_id", "task_id", "sample_index", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "status", "status_message", "num_turns", "finish_reason", "timings", "engine_url", "dp_rank", "prompt_tokens", "cached_tokens", "segments")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class Trajectory(_message.Message):
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     group_id: str
     task_id: str
@@ -93,7 +94,24 @@ class Trajectory(_message.Message):
     dp_rank: int
     prompt_tokens: int
     cached_tokens: int
-    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., status_message: _Optional[str] = ..., num_turns: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[EpisodeTimings, _Mapping]] = ..., engine_url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    segments: _containers.RepeatedCompositeFieldContainer[TrajectorySegment]
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., status_message: _Optional[str] = ..., num_turns: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[EpisodeTimings, _Mapping]] = ..., engine_url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[TrajectorySegment, _Mapping]]] = ...) -> None: ...
+
+class TrajectorySegment(_message.Message):
+    __slots__ = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "cause")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    response_ids: _containers.RepeatedScalarFieldContainer[int]
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    rollout_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    weight_versions: _containers.RepeatedScalarFieldContainer[int]
+    cause: str
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("group_id", "task_id", "samples", "created_unix_ms", "min_weight_version")

@@ -1,7 +1,8 @@
-"""A lean HTTP/1.1 server on asyncio and httptools' C parser, for the router's HTTP front.
+"""A lean HTTP/1.1 server on asyncio and httptools' C parser, for the hot HTTP paths: the
+router's SGLang-compatible front and the sandbox service's agent gateway.
 
-uvicorn and Starlette spent about a quarter of the front's per-call CPU in their own layers; the
-front needs only this: keep-alive, requests read whole (Content-Length or chunked, up to
+uvicorn and Starlette spent about a quarter of the router front's per-call CPU in their own
+layers; both need only this: keep-alive, requests read whole (Content-Length or chunked, up to
 `max_body_bytes`), answers with a body or streamed in chunks (SSE), `Expect: 100-continue`,
 pipelined requests answered in order, and precise errors for what it refuses (400 bad HTTP,
 413 body too large, 431 headers too large). A connection idle for `idle_timeout_s` is closed.

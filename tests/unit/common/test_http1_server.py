@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import orjson
 
-from services.router.http1_server import Http1Server, Reply, Request
+from services.common.http1_server import Http1Server, Reply, Request
 
 
 async def _echo(request: Request) -> Reply:

@@ -1,0 +1,184 @@
+"""The agent gateway's per-call overhead, against a direct engine call and the router's front.
+
+One simulated engine (no prefill or decode time, so latency is all overhead), one router
+process (`riptide serve router`, gRPC and its SGLang-compatible HTTP front) and the gateway in
+a process of its own with its sessions open (services/testing/gateway_process.py). Paths, at
+concurrency 1 and 32, interleaved over `--rounds` rounds in the same run:
+
+- `direct`: POST /generate to the engine with the call's token ids;
+- `http_front`: the same through the router's HTTP front;
+- `gateway`: POST /sessions/<episode>/v1/chat/completions, as a harness calls it: a growing
+  conversation (system prompt, task, then each reply and a short observation; a fresh one
+  every `--turns` calls), rendered with the chat template and matched against the episode's
+  tokens by the gateway, then Router.Generate over gRPC.
+
+The direct and front calls carry as many tokens as the gateway's prompt at the same turn.
+Per path: p50 and p99 latency, the overhead over the direct call, and the proxies' own CPU
+per call; per round, the gateway's p50 minus the front's, whose mean and 95% interval judge
+the target (the gateway's overhead at most the front's plus 1 ms: `met` when the interval's
+upper end is at most 1 ms). The last line printed is the JSON summary.
+
+    python bench/gateway.py [--calls 1600] [--rounds 8] [--turns 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import aiohttp  # noqa: E402
+import orjson  # noqa: E402
+
+from services.common.tiny_model import build_tokenizer  # noqa: E402
+from services.testing.gateway_process import GatewayProcess  # noqa: E402
+from services.testing.latency import paired_difference, percentile, process_cpu_s  # noqa: E402
+from services.testing.router_process import RouterProcess  # noqa: E402
+from services.testing.sim_engine_process import SimEngineProcess  # noqa: E402
+
+SYSTEM = ("You are an agent in a Linux terminal. Answer with one shell command in a ```bash "
+          "block, or say TASK COMPLETE when done. " * 3)
+TASK = "Write the number of lines of every .log file under /app/logs to /app/counts.txt. " * 2
+OBSERVATION = "exit 0\n/app/logs/a.log 12\n/app/logs/b.log 40\n"
+
+
+def conversation(turn: int, replies: list[str]) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+    for reply in replies[:turn]:
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": OBSERVATION}]
+    return messages
+
+
+def prompt_lengths(turns: int) -> list[int]:
+    """Tokens of the gateway's prompt at each turn (one-token replies, as the engine gives)."""
+    tokenizer = build_tokenizer()
+    return [len(tokenizer.apply_chat_template(conversation(t, ["x"] * t), tokenize=True,
+                                              add_generation_prompt=True))
+            for t in range(turns)]
+
+
+async def _round(paths: dict[str, Any], concurrency: int, calls: int, turns: int,
+                 ) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for name, send in paths.items():
+        latencies: list[float] = []
+
+        async def worker(w: int, send: Any = send, latencies: list[float] = latencies) -> None:
+            replies: list[str] = []
+            for i in range(calls // concurrency):
+                turn = i % turns
+                if turn == 0:
+                    replies = []
+                started = asyncio.get_running_loop().time()
+                reply = await send(w, turn, replies)
+                latencies.append((asyncio.get_running_loop().time() - started) * 1000)
+                replies.append(reply)
+
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        out[name] = latencies
+    return out
+
+
+async def measure(engine: SimEngineProcess, router: RouterProcess, gateway: GatewayProcess,
+                  concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    lengths = prompt_lengths(args.turns)
+    params = {"max_new_tokens": 1, "temperature": 0.0}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+
+        async def generate(url: str, w: int, turn: int) -> str:
+            ids = [(w * 131 + turn * 7 + k) % 250 + 3 for k in range(lengths[turn])]
+            body = orjson.dumps({"input_ids": ids, "sampling_params": params})
+            async with http.post(f"{url}/generate", data=body, headers={
+                    "content-type": "application/json",
+                    "X-SMG-Routing-Key": f"w-{w}"}) as reply:
+                reply.raise_for_status()
+                await reply.read()
+            return "x"
+
+        async def direct(w: int, turn: int, replies: list[str]) -> str:
+            return await generate(engine.url, w, turn)
+
+        async def front(w: int, turn: int, replies: list[str]) -> str:
+            return await generate(router.http_url, w, turn)
+
+        async def chat(w: int, turn: int, replies: list[str]) -> str:
+            episode = f"bench-{w}"
+            body = orjson.dumps({"model": "riptide", "max_tokens": 1,
+                                 "messages": conversation(turn, replies)})
+            async with http.post(f"{gateway.base_url(episode)}/chat/completions", data=body,
+                                 headers={"content-type": "application/json",
+                                          "authorization": f"Bearer {gateway.keys[episode]}"}
+                                 ) as reply:
+                reply.raise_for_status()
+                answer = orjson.loads(await reply.read())
+            return str(answer["choices"][0]["message"]["content"] or "")
+
+        paths = {"direct": direct, "http_front": front, "gateway": chat}
+        await _round(paths, concurrency, concurrency * 4, args.turns)  # warm connections
+        rounds: dict[str, list[list[float]]] = {name: [] for name in paths}
+        cpu = {"router": 0.0, "gateway": 0.0}
+        for _ in range(args.rounds):
+            before = {"router": process_cpu_s(router.proc.pid),
+                      "gateway": process_cpu_s(gateway.proc.pid)}
+            for name, latencies in (await _round(paths, concurrency, args.calls // args.rounds,
+                                                 args.turns)).items():
+                rounds[name].append(latencies)
+            for proxy in cpu:
+                pid = router.proc.pid if proxy == "router" else gateway.proc.pid
+                cpu[proxy] += process_cpu_s(pid) - before[proxy]
+    flat = {name: [x for r in runs for x in r] for name, runs in rounds.items()}
+    direct_p50, direct_p99 = percentile(flat["direct"], 0.5), percentile(flat["direct"], 0.99)
+    out: dict[str, Any] = {"direct_ms_p50": round(direct_p50, 3),
+                           "direct_ms_p99": round(direct_p99, 3)}
+    for name in ("http_front", "gateway"):
+        out[f"{name}_overhead_ms_p50"] = round(percentile(flat[name], 0.5) - direct_p50, 3)
+        out[f"{name}_overhead_ms_p99"] = round(percentile(flat[name], 0.99) - direct_p99, 3)
+    calls = sum(map(len, rounds["gateway"]))
+    # The gateway's process does its own work and waits on the router's gRPC: both count.
+    out["gateway_cpu_us_per_call"] = round(cpu["gateway"] / calls * 1e6, 1)
+    out["router_cpu_us_per_call_all_paths"] = round(
+        cpu["router"] / (calls + sum(map(len, rounds["http_front"]))) * 1e6, 1)
+    versus = paired_difference(rounds["gateway"], rounds["http_front"])
+    out["gateway_vs_http_front"] = {**versus, "target_ms": 1.0,
+                                    "met": versus["ci95_ms"][1] <= 1.0}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=1600, help="calls per path and concurrency")
+    p.add_argument("--rounds", type=int, default=8, choices=range(2, 12), metavar="2..11")
+    p.add_argument("--turns", type=int, default=8, help="calls of one conversation")
+    p.add_argument("--gateway-event-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the sandbox service's event_loop (asyncio is its default)")
+    args = p.parse_args()
+    if args.calls < 32 * args.rounds:
+        p.error(f"--calls: at least 32 x --rounds ({32 * args.rounds})")
+    token = "gateway-bench-token"
+    engine = SimEngineProcess(decode_s_per_token=0.0, prefill_s_per_token=0.0)
+    try:
+        with RouterProcess(engine_urls=[engine.url], http_front=True, grpc_token=token) as router, \
+                GatewayProcess(router.address, token, 32, args.gateway_event_loop) as gateway:
+            summary: dict[str, Any] = {}
+            for concurrency in (1, 32):
+                summary[f"concurrency_{concurrency}"] = asyncio.run(
+                    measure(engine, router, gateway, concurrency, args))
+                print(f"concurrency {concurrency}: {summary[f'concurrency_{concurrency}']}",
+                      flush=True)
+    finally:
+        engine.stop()
+    summary["gateway_event_loop"] = args.gateway_event_loop
+    summary["met"] = all(summary[f"concurrency_{c}"]["gateway_vs_http_front"]["met"]
+                         for c in (1, 32))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The agent gateway in a process of its own, with sessions opened up front: for the gateway's
+bench, which drives it as harnesses would (the sandbox service opens sessions per episode).
+
+    python -m services.testing.gateway_process --router HOST:PORT --sessions N \
+        --keys-file F --ready-file P     (the router's gRPC token in RIPTIDE_GRPC_TOKEN)
+
+Writes {episode: key} to the keys file, then its port to the ready file; serves until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from services._proto.riptide.v1 import common_pb2
+from services.common import event_loop
+from services.common.tiny_model import build_tokenizer
+from services.sandbox.gateway.server import AgentGateway
+from services.sandbox.gateway.session import SessionLimits
+from services.sandbox.model_client import RouterModelClient
+from services.testing.child_server import ChildServer
+
+
+class GatewayProcess(ChildServer):
+    """A gateway child process on a free port; `keys` maps episode ids to their keys."""
+
+    name = "gateway"
+
+    def __init__(self, router_address: str, grpc_token: str | None, num_sessions: int,
+                 event_loop: str = "asyncio", start_timeout_s: float = 60.0) -> None:
+        keys_file = Path(tempfile.mkdtemp(prefix="riptide-gateway-keys-")) / "keys.json"
+        env = {**os.environ, "RIPTIDE_GRPC_TOKEN": grpc_token or ""}
+        super().__init__([sys.executable, "-m", "services.testing.gateway_process",
+                          "--router", router_address, "--sessions", str(num_sessions),
+                          "--keys-file", str(keys_file), "--event-loop", event_loop],
+                         start_timeout_s, env)
+        self.keys: dict[str, str] = json.loads(keys_file.read_text())
+        keys_file.unlink()
+
+    def base_url(self, episode: str) -> str:
+        return f"{self.url}/sessions/{episode}/v1"
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    model = RouterModelClient(args.router, os.environ.get("RIPTIDE_GRPC_TOKEN") or None)
+    gateway = AgentGateway(model, build_tokenizer(), "riptide", "127.0.0.1", 0)
+    await gateway.start()
+    limits = SessionLimits(max_calls=1 << 30, max_context_tokens=1 << 20, max_new_tokens=16,
+                           deadline=time.monotonic() + 86400)
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=1)
+    keys = {f"bench-{i}": gateway.open(f"bench-{i}", sampling, limits).key
+            for i in range(args.sessions)}
+    Path(args.keys_file).write_text(json.dumps(keys))
+    Path(args.ready_file).write_text(str(gateway.server.port))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await gateway.stop()
+    await model.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--router", required=True)
+    p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--keys-file", required=True)
+    p.add_argument("--ready-file", required=True)
+    p.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the sandbox service's [sandbox] event_loop (asyncio by default)")
+    args = p.parse_args()
+    event_loop.run(_serve(args), args.event_loop)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The gateway's chat rendering: our own replies are spliced in as the engine generated them."""
+
+from __future__ import annotations
+
+from services.common.tiny_model import build_tokenizer
+from services.sandbox.gateway.chat_render import ChatRenderer, Reply, reply_fingerprint
+
+TOKENIZER = build_tokenizer()
+EOT = TOKENIZER.eos_token_id
+
+
+def renderer() -> ChatRenderer:
+    return ChatRenderer(TOKENIZER, TOKENIZER.chat_template, {EOT})
+
+
+def first_turn() -> list[dict[str, str]]:
+    return [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def test_a_first_call_is_the_templates_own_rendering() -> None:
+    rendered = renderer().render(first_turn(), None, [])
+    text = TOKENIZER.apply_chat_template(first_turn(), tokenize=False,
+                                         add_generation_prompt=True)
+    assert rendered.ids == TOKENIZER.encode(text, add_special_tokens=False)
+    assert rendered.history_is_ours
+
+
+def test_a_reply_sent_back_is_spliced_as_generated_not_re_encoded() -> None:
+    # 0xC3 alone is not UTF-8: it decodes to U+FFFD, which re-encodes as three other bytes.
+    generated = [0xC3, ord("A"), EOT]
+    text = TOKENIZER.decode(generated[:-1], skip_special_tokens=True)
+    assert TOKENIZER.encode(text, add_special_tokens=False) != generated[:-1]
+    chat = renderer()
+    prompt = chat.render(first_turn(), None, []).ids
+    replies = [Reply(reply_fingerprint(text, None), generated)]
+    messages = [*first_turn(), {"role": "assistant", "content": text},
+                {"role": "user", "content": "more"}]
+    rendered = chat.render(messages, None, replies)
+    assert rendered.history_is_ours
+    so_far = prompt + generated
+    assert rendered.ids[:len(so_far)] == so_far
+    tail = TOKENIZER.decode(rendered.ids[len(so_far):], skip_special_tokens=False)
+    assert tail == "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_reply_cut_at_max_tokens_is_closed_by_the_template() -> None:
+    generated = [ord("o"), ord("k")]  # no end-of-turn: the engine stopped at the length cap
+    chat = renderer()
+    prompt = chat.render(first_turn(), None, []).ids
+    messages = [*first_turn(), {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "go on"}]
+    rendered = chat.render(messages, None, [Reply(reply_fingerprint("ok", None), generated)])
+    assert rendered.ids[:len(prompt) + 3] == prompt + generated + [EOT]
+
+
+def test_an_edited_or_dropped_reply_is_not_our_history() -> None:
+    chat = renderer()
+    replies = [Reply(reply_fingerprint("ok", None), [ord("o"), ord("k"), EOT])]
+    edited = [*first_turn(), {"role": "assistant", "content": "OK!"},
+              {"role": "user", "content": "go on"}]
+    assert not chat.render(edited, None, replies).history_is_ours
+    summarized = [*first_turn(), {"role": "user", "content": "summary of what happened"}]
+    assert not chat.render(summarized, None, replies).history_is_ours
+
+
+def test_tool_calls_are_matched_by_name_and_arguments_not_their_spelling() -> None:
+    ours = reply_fingerprint(None, [{"function": {"name": "run", "arguments": '{"b": 1, "a": 2}'}}])
+    sent_back = reply_fingerprint("", [{"id": "x", "type": "function", "function": {
+        "name": "run", "arguments": '{"a":2,"b":1}'}}])
+    assert ours == sent_back
+    assert ours != reply_fingerprint("", [{"function": {"name": "run", "arguments": '{"a":3}'}}])

@@ -1,0 +1,112 @@
+"""A gateway session: token matching, caps refused before any engine call, the run's sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from services._proto.riptide.v1 import common_pb2
+from services.common.errors import Unavailable
+from services.common.tiny_model import build_tokenizer
+from services.sandbox.gateway.chat_render import ChatRenderer
+from services.sandbox.gateway.session import (
+    GatewayLimit,
+    GatewaySession,
+    GatewayStats,
+    SessionLimits,
+)
+from services.sandbox.model_client import GenerateResult
+
+TOKENIZER = build_tokenizer()
+EOT = TOKENIZER.eos_token_id
+
+
+class RecordingModel:
+    """Answers each call with the next scripted ids and records what it was sent."""
+
+    def __init__(self, replies: list[list[int]], finish: str = "stop") -> None:
+        self.replies = replies
+        self.finish = finish
+        self.calls: list[tuple[str, list[int], common_pb2.SamplingParams]] = []
+
+    async def generate(self, session_key: str, input_ids: list[int],
+                       sampling: common_pb2.SamplingParams) -> GenerateResult:
+        self.calls.append((session_key, list(input_ids), sampling))
+        ids = self.replies[len(self.calls) - 1]
+        return GenerateResult(ids, [-0.1 * (i + 1) for i in range(len(ids))], self.finish, 2)
+
+    async def close(self) -> None:
+        pass
+
+
+def session(model: RecordingModel, **limits: Any) -> GatewaySession:
+    caps = {"max_calls": 5, "max_context_tokens": 4096, "max_new_tokens": 64,
+            "deadline": time.monotonic() + 60, **limits}
+    return GatewaySession("ep-1", model, ChatRenderer(TOKENIZER, TOKENIZER.chat_template, {EOT}),
+                          common_pb2.SamplingParams(temperature=0.8, top_p=0.9),
+                          SessionLimits(**caps), GatewayStats(), parse_tools=False)
+
+
+def chat(s: GatewaySession, messages: list[dict[str, Any]], **request: Any) -> Any:
+    return asyncio.run(s.chat([dict(m) for m in messages], None, request))
+
+
+def test_a_multi_turn_chat_is_one_segment_of_exactly_what_the_engine_saw() -> None:
+    model = RecordingModel([[ord("a"), EOT], [0xC3, ord("b"), EOT]])
+    s = session(model)
+    history = [{"role": "user", "content": "hi"}]
+    first = chat(s, history)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "go"}]
+    second = chat(s, history, temperature=0.0, max_tokens=10)
+    (segment,) = s.trace.segments
+    sent_first, sent_second = model.calls[0][1], model.calls[1][1]
+    assert segment.prompt_ids == sent_first
+    assert sent_second[:len(sent_first) + 2] == sent_first + [ord("a"), EOT]
+    assert segment.ids == sent_second + [0xC3, ord("b"), EOT]
+    assert segment.loss_mask == [1, 1] + [0] * (len(sent_second) - len(sent_first) - 2) + [1] * 3
+    assert segment.logprobs[-3:] == pytest.approx([-0.1, -0.2, -0.3])
+    params = model.calls[1][2]
+    assert params.temperature == pytest.approx(0.8)  # the run's, not the harness's 0.0
+    assert params.max_new_tokens == 10 and EOT in params.stop_token_ids
+    assert second.prompt_tokens == len(sent_second)
+    assert s.stats.calls == 2
+    assert s.stats.tokens_appended == len(sent_second) - len(sent_first) - 2  # context only
+
+
+def test_a_rewritten_history_opens_a_second_segment_with_its_cause() -> None:
+    model = RecordingModel([[ord("a"), EOT], [ord("c"), EOT]])
+    s = session(model)
+    first = chat(s, [{"role": "user", "content": "hi"}])
+    assert first.text == "a"
+    chat(s, [{"role": "user", "content": "summary: said hi, got a"}])
+    assert [seg.cause for seg in s.trace.segments] == ["", "history_rewritten"]
+    assert s.trace.segments[1].prompt_ids == model.calls[1][1]
+    assert s.stats.segments_opened == {"history_rewritten": 1}
+
+
+def test_caps_are_refused_before_any_engine_call() -> None:
+    model = RecordingModel([[ord("a"), EOT]] * 3)
+    s = session(model, max_calls=1, max_context_tokens=64)
+    with pytest.raises(GatewayLimit) as long_prompt:
+        chat(s, [{"role": "user", "content": "x" * 100}])
+    assert long_prompt.value.http_status == 400
+    assert long_prompt.value.code == "context_length_exceeded" and model.calls == []
+    chat(s, [{"role": "user", "content": "hi"}])
+    with pytest.raises(GatewayLimit) as too_many:
+        chat(s, [{"role": "user", "content": "hi"}])
+    assert too_many.value.http_status == 429 and len(model.calls) == 1
+    assert s.limit_hit == "context_length"  # the first cap it ran into
+    late = session(RecordingModel([]), deadline=time.monotonic() - 1)
+    with pytest.raises(GatewayLimit) as out_of_time:
+        chat(late, [{"role": "user", "content": "hi"}])
+    assert out_of_time.value.code == "episode_wall_time_exceeded"
+
+
+def test_an_aborted_call_marks_the_episode() -> None:
+    s = session(RecordingModel([[ord("a")]], finish="abort"))
+    with pytest.raises(Unavailable):
+        chat(s, [{"role": "user", "content": "hi"}])
+    assert s.aborted
