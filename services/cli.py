@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="use this config instead of writing a fresh local one")
     up.add_argument("--steps", type=int, default=None,
                     help="stop after the trainer finished this many steps, with a summary")
+    up.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a value of the local config up writes (repeatable; value "
+                         "read as TOML), e.g. sandbox.agent.harness=terminus2")
 
     status = sub.add_parser("status", help="print the state of a running stack")
     status.add_argument("--config", type=Path, default=DEFAULT_RUN_DIR / "config.toml")
@@ -195,7 +198,7 @@ def _up(args: argparse.Namespace) -> int:
     from services.common.run_summary import summarize
     from services.local_stack import run_up
 
-    return run_up(args.dir, args.config, args.steps, summarize)
+    return run_up(args.dir, args.config, args.steps, summarize, overrides=args.set)
 
 
 def _status(args: argparse.Namespace) -> int:

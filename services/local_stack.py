@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from services.common import process
-from services.common.config import deep_merge, dump_config
+from services.common.config import deep_merge, dump_config, override_tree
 from services.common.errors import ConfigError, RiptideError, Unavailable
 from services.common.ports import free_ports
 from services.common.progress import StepProgress
@@ -306,13 +306,19 @@ def _redis_pings(port: int) -> bool:
 
 
 def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
-           summarize: Callable[[Any], str] | None = None) -> int:
+           summarize: Callable[[Any], str] | None = None,
+           overrides: list[str] | None = None) -> int:
     """The body of `riptide up`: start or resume, supervise until Ctrl-C / SIGTERM /
-    `steps` more trainer steps / a child that keeps dying, then stop everything."""
+    `steps` more trainer steps / a child that keeps dying, then stop everything.
+    `overrides` (`section.key=value`) change the local config up writes."""
+    if overrides and config_path is not None:
+        raise ConfigError("--set changes the local config `riptide up` writes; with --config, "
+                          "edit that file instead")
     run_dir.mkdir(parents=True, exist_ok=True)
     if config_path is None:
         config_path = run_dir / "config.toml"
-        config_path.write_text(dump_config(local_config(run_dir)))
+        config_path.write_text(dump_config(local_config(run_dir,
+                                                        override_tree(overrides or []))))
         os.chmod(config_path, 0o600)
         print(f"[up] tiny model {ensure_tiny_model(run_dir)}", flush=True)
     elif not config_path.exists():

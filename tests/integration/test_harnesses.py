@@ -7,26 +7,25 @@ max_turns and at the deadline, and a failure is a HarnessError (never a silent o
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from services.common.errors import DeadlineExceeded
 from services.sandbox.harness import (
     HarnessContext,
     HarnessError,
     HarnessOutcome,
+    HarnessTimeout,
     SandboxTerminal,
     make_harness,
 )
 from services.sandbox.providers.local import LocalProvider, LocalProviderConfig
 from services.sandbox.task import Task
 from services.sandbox.verifier import verify
+from services.testing.harness_extras import missing_harness_extra
 from services.testing.openai_standin import OpenAIStandIn
 
 pytestmark = pytest.mark.slow
@@ -57,14 +56,9 @@ SCRIPTS: dict[str, tuple[Callable[[str], str], list[str]]] = {
 
 
 def _require_extra(harness: str) -> None:
-    if harness == "terminus2":
-        if sys.version_info < (3, 12):
-            pytest.skip("Harbor 0.25 (the terminus2 extra) requires Python >= 3.12")
-        if importlib.util.find_spec("harbor") is None:
-            pytest.skip("the terminus2 extra is not installed (pip install 'riptide[terminus2]')")
-    elif importlib.util.find_spec("minisweagent") is None:
-        pytest.skip("the mini-swe-agent extra is not installed "
-                    "(pip install 'riptide[mini-swe-agent]')")
+    reason = missing_harness_extra(harness)
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +84,7 @@ def _episode(provider: LocalProvider, harness: str, server: OpenAIStandIn, tmp_p
                 max_turns=max_turns, deadline=time.monotonic() + seconds, work_dir=tmp_path)
             try:
                 outcome: HarnessOutcome | BaseException = await make_harness(harness).run(context)
-            except (HarnessError, DeadlineExceeded) as exc:
+            except HarnessError as exc:  # HarnessTimeout included
                 outcome = exc
             verdict = await verify(provider, handle, TASK)
             return outcome, verdict.reward
@@ -138,7 +132,7 @@ def test_harness_with_a_refused_key_is_a_harness_error(provider: LocalProvider, 
     command, _ = SCRIPTS[harness]
     with OpenAIStandIn([command(SOLVE)] * 5, api_key=KEY, model=MODEL) as server:
         outcome, _, _ = _episode(provider, harness, server, tmp_path, api_key="expired-key")
-    assert isinstance(outcome, HarnessError), outcome
+    assert isinstance(outcome, HarnessError) and not isinstance(outcome, HarnessTimeout), outcome
     assert "Authentication" in str(outcome) and server.requests == []
     assert server.refused and all(status == 401 for status, _ in server.refused)
 
@@ -152,13 +146,13 @@ def test_harness_stops_at_the_deadline(provider: LocalProvider, harness: str,
         started = time.monotonic()
         outcome, _, _ = _episode(provider, harness, server, tmp_path, seconds=6)
         elapsed = time.monotonic() - started
-    assert isinstance(outcome, DeadlineExceeded), outcome
+    assert isinstance(outcome, HarnessTimeout), outcome
     assert "agent timeout" in str(outcome)
     assert elapsed < 40, elapsed  # litellm's first import is part of it
 
 
 def test_terminus2_without_harbor_says_how_to_get_it(tmp_path: Path) -> None:
-    if importlib.util.find_spec("harbor") is not None:
+    if missing_harness_extra("terminus2") is None:
         pytest.skip("Harbor is installed here")
     context = HarnessContext(
         episode_id="ep-1", base_url="http://127.0.0.1:9/v1", api_key=KEY, model=MODEL,

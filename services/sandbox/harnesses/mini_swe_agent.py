@@ -21,8 +21,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import DeadlineExceeded
-from services.sandbox.harness import Harness, HarnessContext, HarnessError, HarnessOutcome
+from services.sandbox.harness import (
+    Harness,
+    HarnessContext,
+    HarnessError,
+    HarnessOutcome,
+    HarnessTimeout,
+)
 from services.sandbox.harnesses.offline_litellm import litellm_model_name, offline_litellm
 
 #: mini-swe-agent's exit statuses and what they mean for an episode.
@@ -58,11 +63,14 @@ class MiniSweAgentHarness(Harness):
         )
         await environment.describe_sandbox()
         work = asyncio.ensure_future(asyncio.to_thread(agent.run, context.instruction))
+        # Left running past a deadline or a cancellation, its end (often the gateway refusing
+        # the dead key) is no one's to report.
+        work.add_done_callback(lambda done: done.cancelled() or done.exception())
         try:
             exit_info = await asyncio.wait_for(asyncio.shield(work), context.remaining_s)
         except TimeoutError:
             environment.stopped.set()  # its next command raises; the thread then ends
-            raise DeadlineExceeded(f"mini-swe-agent did not finish within the episode's time "
+            raise HarnessTimeout(f"mini-swe-agent did not finish within the episode's time "
                                    f"limit (agent timeout; {agent.n_calls} model calls)") from None
         except asyncio.CancelledError:
             environment.stopped.set()
@@ -71,7 +79,7 @@ class MiniSweAgentHarness(Harness):
             raise HarnessError(f"mini-swe-agent failed: {type(exc).__name__}: {exc}") from exc
         status = str(exit_info.get("exit_status", ""))
         if status == "TimeExceeded":
-            raise DeadlineExceeded(f"mini-swe-agent stopped at its wall-time limit "
+            raise HarnessTimeout(f"mini-swe-agent stopped at its wall-time limit "
                                    f"({wall_time_s} s; agent timeout) after {agent.n_calls} calls")
         if status not in _FINISH_REASONS:
             raise HarnessError(f"mini-swe-agent ended with exit status {status!r}")

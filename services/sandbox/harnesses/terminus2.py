@@ -20,8 +20,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import DeadlineExceeded, RiptideError
-from services.sandbox.harness import Harness, HarnessContext, HarnessError, HarnessOutcome
+from services.common.errors import RiptideError
+from services.sandbox.harness import (
+    Harness,
+    HarnessContext,
+    HarnessError,
+    HarnessOutcome,
+    HarnessTimeout,
+)
 from services.sandbox.harnesses.offline_litellm import litellm_model_name, offline_litellm
 
 log = logging.getLogger(__name__)
@@ -37,22 +43,29 @@ class Terminus2Harness(Harness):
         agent_cls, agent_context_cls, environment_cls = _import_harbor()
         logs_dir = context.work_dir / "terminus2"
         logs_dir.mkdir(parents=True, exist_ok=True)
-        environment = environment_cls(context.terminal, context.task, context.work_dir / "trial",
-                                      context.deadline, session_id=context.episode_id)
         try:
+            environment = environment_cls(context.terminal, context.task,
+                                          context.work_dir / "trial", context.deadline,
+                                          session_id=context.episode_id)
             agent = agent_cls(
                 logs_dir=logs_dir, model_name=litellm_model_name(context.model),
                 api_base=context.base_url, llm_kwargs={"api_key": context.api_key},
                 max_turns=context.max_turns, suppress_max_turns_warning=True,
                 record_terminal_session=False, session_id=context.episode_id,
             )
-            agent_context = agent_context_cls()
-            async with asyncio.timeout(context.remaining_s):
+        except Exception as exc:
+            raise HarnessError(f"terminus2 could not start: {type(exc).__name__}: {exc}") from exc
+        agent_context = agent_context_cls()
+        deadline = asyncio.timeout(context.remaining_s)
+        try:
+            async with deadline:
                 await environment.start(force_build=False)
                 await agent.setup(environment)
                 await agent.run(context.instruction, environment, agent_context)
-        except TimeoutError:
-            raise DeadlineExceeded(
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise HarnessError(f"terminus2 failed: TimeoutError: {exc}") from exc
+            raise HarnessTimeout(
                 f"terminus2 did not finish within the episode's time limit "
                 f"(agent timeout; {len(_agent_steps(logs_dir))} turns taken)") from None
         except RiptideError:
