@@ -16,8 +16,11 @@ behind the gateway) and the trajectory is written to the episode's work folder. 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,34 +47,36 @@ class MiniSweAgentHarness(Harness):
         mini = _import_mini_swe_agent()
         config = mini["config"]
         wall_time_s = int(context.remaining_s)
-        model = mini["model_cls"](
-            model_name=litellm_model_name(context.model),
-            **{key: value for key, value in config.get("model", {}).items()
-               if key != "model_kwargs"},
-            model_kwargs={**config.get("model", {}).get("model_kwargs", {}),
-                          "api_base": context.base_url, "api_key": context.api_key,
-                          "timeout": max(1, wall_time_s)},
-            cost_tracking="ignore_errors",
-        )
-        environment = mini["environment_cls"](context.terminal, asyncio.get_running_loop(),
-                                              context.deadline, **config.get("environment", {}))
-        agent = mini["agent_cls"](
-            model, environment,
-            **{**config.get("agent", {}), "step_limit": context.max_turns,
-               "wall_time_limit_seconds": max(1, wall_time_s),
-               "output_path": context.work_dir / "mini-swe-agent.traj.json"},
-        )
+        try:
+            model = mini["model_cls"](
+                model_name=litellm_model_name(context.model),
+                **{key: value for key, value in config.get("model", {}).items()
+                   if key != "model_kwargs"},
+                model_kwargs={**config.get("model", {}).get("model_kwargs", {}),
+                              "api_base": context.base_url, "api_key": context.api_key,
+                              "timeout": max(1, wall_time_s)},
+                cost_tracking="ignore_errors",
+            )
+            environment = mini["environment_cls"](context.terminal, asyncio.get_running_loop(),
+                                                  context.deadline, **config.get("environment", {}))
+            agent = mini["agent_cls"](
+                model, environment,
+                **{**config.get("agent", {}), "step_limit": context.max_turns,
+                   "wall_time_limit_seconds": max(1, wall_time_s),
+                   "output_path": context.work_dir / "mini-swe-agent.traj.json"},
+            )
+        except Exception as exc:  # its own config checks (pydantic)
+            raise HarnessError(f"mini-swe-agent could not start: {type(exc).__name__}: "
+                               f"{exc}") from exc
         await environment.describe_sandbox()
-        work = asyncio.ensure_future(asyncio.to_thread(agent.run, context.instruction))
-        # Left running past a deadline or a cancellation, its end (often the gateway refusing
-        # the dead key) is no one's to report.
-        work.add_done_callback(lambda done: done.cancelled() or done.exception())
+        work = _in_own_thread(agent.run, context.instruction,
+                              name=f"mini-swe-agent {context.episode_id}")
         try:
             exit_info = await asyncio.wait_for(asyncio.shield(work), context.remaining_s)
         except TimeoutError:
             environment.stopped.set()  # its next command raises; the thread then ends
             raise HarnessTimeout(f"mini-swe-agent did not finish within the episode's time "
-                                   f"limit (agent timeout; {agent.n_calls} model calls)") from None
+                                 f"limit (agent timeout; {agent.n_calls} model calls)") from None
         except asyncio.CancelledError:
             environment.stopped.set()
             raise
@@ -80,10 +85,41 @@ class MiniSweAgentHarness(Harness):
         status = str(exit_info.get("exit_status", ""))
         if status == "TimeExceeded":
             raise HarnessTimeout(f"mini-swe-agent stopped at its wall-time limit "
-                                   f"({wall_time_s} s; agent timeout) after {agent.n_calls} calls")
+                                 f"({wall_time_s} s; agent timeout) after {agent.n_calls} calls")
         if status not in _FINISH_REASONS:
             raise HarnessError(f"mini-swe-agent ended with exit status {status!r}")
         return HarnessOutcome(_FINISH_REASONS[status], f"{status} after {agent.n_calls} calls")
+
+
+def _in_own_thread(func: Callable[..., Any], *args: Any, name: str) -> asyncio.Future[Any]:
+    """`func(*args)` on a thread of its own, as a future of this loop. Not the loop's default
+    executor: an agent holds its thread for the whole episode, and a few of them would starve
+    everything else the service runs there (sandbox file operations, cgroup removal)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    # Left running past a deadline or a cancellation, its end (often the gateway refusing the
+    # dead key) is no one's to report.
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def target() -> None:
+        result, error = None, None
+        try:
+            result = func(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed first (service shutdown)
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return future
 
 
 def _import_mini_swe_agent() -> dict[str, Any]:
