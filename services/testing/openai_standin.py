@@ -15,17 +15,28 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+
+@dataclass(frozen=True)
+class StandInError:
+    """A reply that is an HTTP error instead: its status and raw body."""
+
+    status: int
+    body: bytes
+
+
 #: A reply: the assistant's text for this request (the request's JSON body is given).
-ReplyFn = Callable[[dict[str, Any]], str]
+ReplyFn = Callable[[dict[str, Any]], "str | StandInError"]
 
 
 class OpenAIStandIn:
     """`with OpenAIStandIn(replies, api_key=..., model=...) as server:` then `server.base_url`."""
 
-    def __init__(self, replies: Sequence[str] | ReplyFn, api_key: str = "test-key",
+    def __init__(self, replies: Sequence[str | StandInError] | ReplyFn,
+                 api_key: str = "test-key",
                  model: str = "riptide-test-model") -> None:
         self.api_key = api_key
         self.model = model
@@ -53,7 +64,7 @@ class OpenAIStandIn:
         self._server.server_close()
         self._thread.join(timeout=10)
 
-    def next_reply(self, request: dict[str, Any]) -> str | None:
+    def next_reply(self, request: dict[str, Any]) -> str | StandInError | None:
         """The reply to `request` (None once a script is used up), recording the request."""
         with self._lock:
             self.requests.append(request)
@@ -139,6 +150,13 @@ def _handler_for(server: OpenAIStandIn) -> type[BaseHTTPRequestHandler]:
             text = server.next_reply(request)
             if text is None:
                 self._send(503, _error(503, "the stand-in's script is used up", "server_error"))
+                return
+            if isinstance(text, StandInError):
+                self.send_response(text.status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(text.body)))
+                self.end_headers()
+                self.wfile.write(text.body)
                 return
             if not request.get("stream"):
                 self._send(200, _completion(server.model, text, len(raw)))
