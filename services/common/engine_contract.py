@@ -3,22 +3,26 @@
 SGLang 0.5.23 serves `/model_info`, `/server_info` and `/v1/loads`; older trees (and the
 deprecated aliases newer trees keep) serve `/get_model_info`, `/get_server_info` and
 `/get_load`, and the oldest read the weight version from `/get_weight_version`. The client
-learns the contract once per engine (current routes first, deprecated ones as fallback) and
-every reader below turns either shape into the same facts.
+learns the contract once per engine (current routes first, deprecated ones as fallback), then
+falls back per route: an engine on the current info routes may still serve its load only on
+`/get_load`. Every reader below turns either shape into the same facts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 ContractMode = Literal["current", "deprecated"]
+RouteName = Literal["model_info_path", "server_info_path", "load_path"]
 
 # (current route, deprecated route) of each fact the client reads.
 MODEL_INFO = ("/model_info", "/get_model_info")
 SERVER_INFO = ("/server_info", "/get_server_info")
 LOADS = ("/v1/loads", "/get_load")
 OLD_WEIGHT_VERSION = "/get_weight_version"
+_PAIRS: dict[str, tuple[str, str]] = {"model_info_path": MODEL_INFO,
+                                      "server_info_path": SERVER_INFO, "load_path": LOADS}
 #: Where a launcher puts the key (SGLang's --api-key) of the built-in engine it starts, never
 #: on its command line, which every local user can read in /proc.
 API_KEY_ENV = "RIPTIDE_ENGINE_API_KEY"
@@ -43,6 +47,19 @@ class EngineContract:
     def of(cls, mode: ContractMode, sglang_version: str = "") -> EngineContract:
         pick = 0 if mode == "current" else 1
         return cls(mode, MODEL_INFO[pick], SERVER_INFO[pick], LOADS[pick], sglang_version)
+
+    def candidates(self, route: RouteName) -> tuple[str, ...]:
+        """The paths of `route` to try: the one this contract uses, then the other one."""
+        path = getattr(self, route)
+        return (path, *(p for p in _PAIRS[route] if p != path))
+
+    def serving(self, route: RouteName, path: str) -> EngineContract:
+        """This contract with `route` read from `path` (a per-route fallback)."""
+        if route == "model_info_path":
+            return replace(self, model_info_path=path)
+        if route == "server_info_path":
+            return replace(self, server_info_path=path)
+        return replace(self, load_path=path)
 
 
 @dataclass(frozen=True)

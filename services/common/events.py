@@ -65,7 +65,11 @@ KINDS: dict[str, str] = {
                        "reward (null without verdict), verdict (scored, no_verdict, ...), "
                        "finish_reason, weight_versions (distinct, sorted), truncated "
                        "(context_length, max_turns or wall_time), aborted (an engine aborted "
-                       "a turn), message (why no verdict), eval (bool)",
+                       "a turn), message (why no verdict), no_verdict_cause (null when "
+                       "scored, else a name of services/common/no_verdict.py: "
+                       "provider_create_failed, sandbox_lost, agent_timeout, agent_error, "
+                       "context_overflow, verifier_error, verifier_timeout, engine_error), "
+                       "eval (bool)",
     "rollout.group_dropped": "instant (id the group id): group_id, reason (stale, no_verdict, "
                              "zero_variance, rejected_duplicate_id), samples",
     "rollout.eval": "span of one evaluation, first episode..last: weight_version, "
@@ -85,7 +89,14 @@ KINDS: dict[str, str] = {
                     "{sandbox (empty while creating), "
                     "task_id, provider, sample_id, group_id (empty once the episode is gone), "
                     "turns, state (creating, running, verifying, deleting), age_s (since the "
-                    "sandbox was created; since its create began while creating)})",
+                    "sandbox was created; since its create began while creating)}); and the "
+                    "lifecycle figures of that process: incarnation, service_instance, "
+                    "num_alive, num_leased (lease held and unexpired), num_reaped, "
+                    "num_delete_failures (episodes' and the reaper's), lease_renew_failures, "
+                    "reaping (bool: the provider lists its sandboxes)",
+    "sandbox.reap": "span of the reaper deleting an orphaned sandbox of the run (id the sandbox "
+                    "id): sandbox, reason (incarnation_gone, lease_lapsed, run_end), "
+                    "incarnation (the sandbox's), task_id, ok",
     "sandbox.verify": "span of the verifier (id the sample id): task_id, passed (reward >= 1), "
                       "scored, reward, exit_code (of tests/test.sh; null when it timed out)",
 }

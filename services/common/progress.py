@@ -1,4 +1,5 @@
-"""One line per trainer step for `riptide up`, read from the run's events stream.
+"""One line per trainer step and per evaluation for `riptide up` and the long benches, read
+from the run's events stream.
 
 Each `trainer.step` event becomes a line with its reward, groups, the trainer's idle
 fraction, the staleness of the samples it consumed, the prefix-cache hit rate (cumulative,
@@ -56,8 +57,21 @@ def step_line(step: Event, load: Event | None, eta_s: float | None = None) -> st
     return "  ".join(parts)
 
 
+def eval_line(evaluation: Event) -> str:
+    """The progress line of one finished `rollout.eval` (an evaluation of a weight version)."""
+    a: dict[str, Any] = evaluation.attrs
+    per_task: dict[str, float] = a.get("per_task") or {}
+    solved = sorted(t for t, success in per_task.items() if success >= 1.0)
+    return "  ".join([f"[eval v{a.get('weight_version', evaluation.weight_version)}]",
+                      f"success {float(a.get('mean_success') or 0.0):.0%}",
+                      f"tasks {len(per_task)}",
+                      f"solved {', '.join(solved) if solved else '-'}",
+                      f"took {evaluation.end - evaluation.start:.0f}s"])
+
+
 class StepProgress:
-    """Follows the events stream and yields a line for each new trainer step."""
+    """Follows the events stream and yields a line for each new trainer step and each
+    finished evaluation."""
 
     def __init__(self, redis_url: str, run: str, target_step: int | None = None,
                  exporter: MetricsExporter | None = None) -> None:
@@ -82,6 +96,8 @@ class StepProgress:
                 self._load = event
             elif event.kind == "trainer.step":
                 lines.append(step_line(event, self._load, self._eta(event)))
+            elif event.kind == "rollout.eval":
+                lines.append(eval_line(event))
         return lines
 
     def _eta(self, step: Event) -> float | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from services.common.checkpoint_steps import latest_checkpoint_step
 from services.common.status_report import collect
 
 
@@ -28,6 +29,7 @@ def summarize(config: Any) -> str:
     total_wait = trainer.get("total_wait_s") or 0.0
     figures = {
         "steps": trainer.get("step"),
+        "checkpoint_step": latest_checkpoint_step(config.trainer.checkpoint.dir),
         "weight_version": trainer.get("weight_version"),
         "groups_trained": trainer.get("num_groups_trained"),
         "reward_mean_last_step": _get(trainer, "last_step.reward_mean"),

@@ -16,8 +16,12 @@ MAX_STOP_CHARS = 1024
 
 
 def sampling_params(params: common_pb2.SamplingParams) -> dict[str, Any]:
-    """SGLang sampling_params from the proto (zero means the engine default where noted);
-    InvalidRequest for values no engine accepts."""
+    """SGLang sampling_params from the proto (zero means the engine default where noted; an
+    unset max_new_tokens too); InvalidRequest for values no engine accepts, and for an explicit
+    max_new_tokens of 0 (the caller would receive no token: proto3 used to read it as unset)."""
+    require(not params.HasField("max_new_tokens") or params.max_new_tokens > 0,
+            "sampling_params.max_new_tokens: 0 generates nothing; leave it unset for the "
+            "default, or give 1 or more")
     require(0 <= params.temperature <= 100, "sampling_params.temperature: must be in [0, 100]")
     require(0 <= params.top_p <= 1, "sampling_params.top_p: must be in [0, 1] (0: default)")
     require(params.top_k >= -1, "sampling_params.top_k: must be -1 (all), 0 (default) or more")
@@ -28,7 +32,7 @@ def sampling_params(params: common_pb2.SamplingParams) -> dict[str, Any]:
     require(all(0 < len(s) <= MAX_STOP_CHARS for s in params.stop),
             f"sampling_params.stop: each stop string has 1 to {MAX_STOP_CHARS} characters")
     out: dict[str, Any] = {"temperature": params.temperature}
-    if params.max_new_tokens:
+    if params.HasField("max_new_tokens"):
         out["max_new_tokens"] = params.max_new_tokens
     if params.top_p:
         out["top_p"] = params.top_p

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
+from services.common.errors import DeadlineExceeded
 
 
 class EpisodeRunner(Protocol):
@@ -30,13 +31,24 @@ class GroupSink(Protocol):
 
 
 def no_verdict_trajectory(request: sandbox_pb2.RunEpisodeRequest,
-                          message: str) -> common_pb2.Trajectory:
-    """The trajectory that stands for an episode that failed before it was scored."""
+                          message: str,
+                          cause: common_pb2.NoVerdictCause
+                          = common_pb2.NO_VERDICT_CAUSE_SANDBOX_LOST) -> common_pb2.Trajectory:
+    """The trajectory that stands for an episode whose RunEpisode call failed: the sandbox
+    service (and with it the episode's sandbox) was lost, unless `cause` says otherwise."""
     return common_pb2.Trajectory(
         sample_id=request.sample_id, group_id=request.group_id, task_id=request.task_id,
         sample_index=request.sample_index, status=common_pb2.VERDICT_STATUS_NO_VERDICT,
-        status_message=message,
+        status_message=message, no_verdict_cause=cause,
     )
+
+
+def call_failure_cause(exc: BaseException) -> common_pb2.NoVerdictCause:
+    """The cause of a RunEpisode call that failed: past its deadline the agent timed out;
+    anything else lost the sandbox service."""
+    if isinstance(exc, DeadlineExceeded):
+        return common_pb2.NO_VERDICT_CAUSE_AGENT_TIMEOUT
+    return common_pb2.NO_VERDICT_CAUSE_SANDBOX_LOST
 
 
 def generated_versions(trajectory: common_pb2.Trajectory) -> set[int]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.common import process
-from services.common.engine_client import EngineClient
+from services.common.engine_client import EngineCallError, EngineClient
 from services.common.errors import Unavailable
 from services.common.ports import free_ports
 from services.rollout.config import FleetConfig
@@ -229,7 +229,7 @@ class EngineFleet:
     async def _poll(self, member: EngineMember) -> None:
         asked_while_starting = member.state == "starting"
         try:
-            member.load = [rank.view() for rank in await self.client.load(member.url)]
+            member.load = await self._load(member.url)
         except Unavailable:
             member.load = None
             if member.proc is None and member.state in ("ready", "awaiting_weights"):
@@ -256,6 +256,17 @@ class EngineFleet:
                 version = None
             member.state = "ready" if version == str(self.current_version) else "awaiting_weights"
             log.info("engine %s is reachable again (weight version %s)", member.url, version)
+
+    async def _load(self, url: str) -> list[dict[str, Any]] | None:
+        """The engine's load per dp rank; None when it is up (/health answers) but serves no
+        load route (the router reports that engine as having no load signal). Unavailable
+        when it does not answer."""
+        try:
+            return [rank.view() for rank in await self.client.load(url)]
+        except EngineCallError as exc:
+            if exc.status in (404, 405) and await self.client.healthy(url):
+                return None
+            raise
 
     async def _restart(self, member: EngineMember) -> None:
         code = member.proc.returncode if member.proc else None

@@ -63,6 +63,11 @@ class RolloutCollector:
         for reason, count in (sched.get("dropped_groups") or {}).items():
             dropped.add_metric([reason], count)
         yield dropped
+        causes = CounterMetricFamily("riptide_rollout_no_verdict_samples",
+                                     "episodes without verdict by cause", labels=["cause"])
+        for cause, count in (sched.get("no_verdict_by_cause") or {}).items():
+            causes.add_metric([cause], count)
+        yield causes
         staleness = GaugeMetricFamily("riptide_rollout_written_groups_by_staleness",
                                       "written groups by predicted staleness at consumption",
                                       labels=["staleness"])

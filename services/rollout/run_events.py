@@ -15,6 +15,7 @@ from typing import Any
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
 from services.common.events import EventPublisher
+from services.common.no_verdict import trajectory_cause
 from services.rollout.episodes import generated_versions
 
 
@@ -50,6 +51,7 @@ class RolloutEvents:
                                                       "wall_time"),
             "aborted": "Aborted" in trajectory.status_message,
             "message": trajectory.status_message[:300], "eval": evaluation,
+            "no_verdict_cause": trajectory_cause(trajectory),
         })  # fmt: skip
 
     def group_dropped(self, group_id: str, reason: str, weight_version: int,
@@ -112,6 +114,8 @@ class RolloutEvents:
                     "healthy": bool(target.get("healthy", member.state == "ready")),
                     "weight_version": member.weight_version,
                     "circuit": "open" if target.get("circuit_open") else "closed",
+                    # the router's word on the engine's load reads: ok, missing, pending
+                    "load_signal": target.get("load_signal"),
                 })  # fmt: skip
         self.publisher.publish("rollout.load", attrs={"in_flight": in_flight, "cap": cap,
                                                       "engines": engines})

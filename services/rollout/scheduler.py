@@ -19,10 +19,12 @@ from typing import Any
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
 from services.common.errors import Backpressure
+from services.common.no_verdict import trajectory_cause
 from services.rollout.config import SchedulerConfig
 from services.rollout.episodes import (
     EpisodeRunner,
     GroupSink,
+    call_failure_cause,
     generated_versions,
     no_verdict_trajectory,
 )
@@ -225,7 +227,8 @@ class Scheduler:
             except Exception as exc:  # an episode failure is a sample without verdict
                 log.warning("episode %s failed: %s", request.sample_id, exc)
                 self.stats.runner_errors += 1
-                trajectory = no_verdict_trajectory(request, f"{type(exc).__name__}: {exc}")
+                trajectory = no_verdict_trajectory(request, f"{type(exc).__name__}: {exc}",
+                                                   call_failure_cause(exc))
             await self._back_off_after(trajectory)
         finally:
             self.in_flight -= 1
@@ -252,7 +255,8 @@ class Scheduler:
             raise
         except Exception as exc:  # counted as a failed evaluation episode
             log.warning("evaluation episode %s failed: %s", request.sample_id, exc)
-            trajectory = no_verdict_trajectory(request, f"{type(exc).__name__}: {exc}")
+            trajectory = no_verdict_trajectory(request, f"{type(exc).__name__}: {exc}",
+                                               call_failure_cause(exc))
         finally:
             self.in_flight -= 1
             self.stats.record_in_flight(self._now(), self.in_flight)
@@ -278,8 +282,10 @@ class Scheduler:
         trajectory.task_id = request.task_id
         trajectory.sample_index = request.sample_index
         self.stats.finished_samples += 1
-        if trajectory.status != common_pb2.VERDICT_STATUS_SCORED:
+        cause = trajectory_cause(trajectory)
+        if cause is not None:
             self.stats.no_verdict_samples += 1
+            self.stats.no_verdict_by_cause[cause] += 1
         if len(generated_versions(trajectory)) > 1:
             self.stats.mixed_version_samples += 1
         group.running.pop(request.sample_index, None)
@@ -318,6 +324,9 @@ class Scheduler:
             self._tasks.record_group(group.task_id, [t.reward for t in samples])
         if reason is not None:
             self.stats.dropped_groups[reason] += 1
+            if reason == "no_verdict":
+                self.stats.dropped_no_verdict_by_cause.update(
+                    c for t in samples if (c := trajectory_cause(t)) is not None)
             self.events.group_dropped(group.group_id, reason, self._gate.version, group.size)
             self.stats.dropped_samples += group.size
             self._gate.on_drop(group.size)

@@ -35,6 +35,10 @@ class SchedulerStats:
     submitted_samples: int = 0
     finished_samples: int = 0
     no_verdict_samples: int = 0
+    #: samples without verdict by cause (services/common/no_verdict.py names)
+    no_verdict_by_cause: Counter[str] = field(default_factory=Counter)
+    #: samples without verdict, by cause, in the groups dropped for reason no_verdict
+    dropped_no_verdict_by_cause: Counter[str] = field(default_factory=Counter)
     runner_errors: int = 0
     cancelled_samples: int = 0
     mixed_version_samples: int = 0
@@ -91,6 +95,8 @@ class SchedulerStats:
             "submitted_samples": self.submitted_samples,
             "finished_samples": self.finished_samples,
             "no_verdict_samples": self.no_verdict_samples,
+            "no_verdict_by_cause": dict(self.no_verdict_by_cause),
+            "dropped_no_verdict_by_cause": dict(self.dropped_no_verdict_by_cause),
             "runner_errors": self.runner_errors,
             "cancelled_samples": self.cancelled_samples,
             "written_groups": self.written_groups,

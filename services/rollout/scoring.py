@@ -20,7 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from services._proto.riptide.v1 import sandbox_pb2
-from services.rollout.episodes import EpisodeRunner, no_verdict_trajectory
+from services.rollout.episodes import (
+    EpisodeRunner,
+    call_failure_cause,
+    no_verdict_trajectory,
+)
 from services.rollout.evaluation import EvalQueue
 
 log = logging.getLogger(__name__)
@@ -41,7 +45,8 @@ async def score(queue: EvalQueue, version: int, runner: EpisodeRunner,
                 raise
             except Exception as exc:  # an episode that failed is a failure without verdict
                 log.warning("scoring episode %s failed: %s", request.sample_id, exc)
-                trajectory = no_verdict_trajectory(request, f"{type(exc).__name__}: {exc}")
+                trajectory = no_verdict_trajectory(request, f"{type(exc).__name__}: {exc}",
+                                                   call_failure_cause(exc))
         queue.record(item_version, request, trajectory)
 
     items = []

@@ -22,7 +22,7 @@ import orjson
 
 from services.common.engine_contract import bearer, error_message
 from services.common.errors import DeadlineExceeded, InvalidRequest
-from services.router.http1_client import ConnectionBroke, Http1Client, NotConnected, Response
+from services.common.http1_client import ConnectionBroke, Http1Client, NotConnected, Response
 
 # Below the keep-alive timeout of SGLang's uvicorn (5 s), so a pooled connection is rarely
 # reused just as the engine closes it (and such a request is sent again, see http1_client).

@@ -3,7 +3,10 @@ version and its load; eject an engine after consecutive failures, re-admit it af
 consecutive successes. An ejected engine is asked every `readmit_probe_interval_s` in
 between, so one that is back takes calls again soon (as a client pinned to it would find).
 Re-admission alone does not make it routable: it must also report the router's current
-weight version (targets.py decides routability).
+weight version (targets.py decides routability). A healthy engine whose load reads fail
+`unhealthy_after_failures` times in a row has "no load signal": it stays routable (the
+router still counts its own in-flight calls there) and is reported in the router's state,
+`riptide_router_load_signal` and the run dashboard's advisories.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common.engine_contract import EngineLoad
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.registry import EngineRegistry
@@ -74,13 +78,31 @@ class HealthChecker:
                                                  return_exceptions=True)
             if isinstance(version, str):
                 self.observe_version(engine, version)
-            tokens = {} if isinstance(load, BaseException) else \
-                {rank.dp_rank: rank.num_tokens for rank in load}
+            loads = {} if isinstance(load, BaseException) else {r.dp_rank: r for r in load}
+            self.observe_load(engine, load)
         else:
-            tokens = {}
+            loads = {}
         for target in engine.targets:  # a failed probe clears figures it can no longer vouch for
-            target.reported_tokens = tokens.get(target.dp_rank, 0)
+            rank = loads.get(target.dp_rank)
+            target.reported_tokens = rank.num_tokens if rank else 0
+            target.reported_waiting = rank.num_waiting_reqs if rank else 0
         self.observe_health(engine, ok)
+
+    def observe_load(self, engine: Engine, load: list[EngineLoad] | BaseException) -> None:
+        """Count one load read of a healthy engine: a signal that never arrives or stops
+        arriving is reported (state, metrics, a warning), not read as an idle engine."""
+        ok = not isinstance(load, BaseException) and bool(load)
+        if not ok:
+            metrics.LOAD_READ_FAILURES.labels(engine.url).inc()
+        missing_after = self.config.unhealthy_after_failures
+        change = engine.record_load(ok, missing_after)
+        missing = engine.load_signal(missing_after) == "missing"
+        metrics.LOAD_SIGNAL.labels(engine.url).set(0.0 if missing else 1.0)
+        if change == "lost":
+            log.warning("engine sends no load signal: routed by the router's own in-flight "
+                        "counts only", extra={"url": engine.url, "error": str(load)[:300]})
+        elif change == "back":
+            log.info("engine load signal is back", extra={"url": engine.url})
 
     def observe_health(self, engine: Engine, ok: bool) -> None:
         """Count one health observation (a probe, or a call that could not connect)."""

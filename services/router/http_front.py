@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import orjson
 
+from services.common.bounds import check_id
 from services.common.errors import InvalidRequest, RiptideError, Unavailable
 from services.common.http1_server import Handler, Http1Server, Reply, Request
 from services.router.servicer import json_object
@@ -47,13 +48,13 @@ def _error(exc: RiptideError) -> Reply:
 
 
 def routing_key(headers: Any, body: dict[str, Any]) -> str:
-    """The session key of a call: header, then header, then the body's `routing_key`."""
-    for name in _KEY_HEADERS:
-        value = headers.get(name)
-        if value:
-            return str(value)
-    key = body.get("routing_key")
-    return str(key) if key else ""
+    """The session key of a call: header, then header, then the body's `routing_key`
+    (InvalidRequest when longer than an id may be)."""
+    key = next((headers[name] for name in _KEY_HEADERS if headers.get(name)),
+               body.get("routing_key"))
+    key = str(key) if key else ""
+    check_id("session key", key)
+    return key
 
 
 def _body(request: Request) -> dict[str, Any]:
@@ -84,8 +85,9 @@ def build_front(runtime: RouterRuntime, api_key: str | None = None) -> Handler:
     async def end_session(request: Request) -> Reply:
         try:
             key = json_object(request.body, "the body").get("session_key")
-            if not key:
+            if not key or not isinstance(key, str):
                 raise InvalidRequest('give {"session_key": "..."}')
+            check_id("session_key", key)
         except RiptideError as exc:
             return _error(exc)
         return _json({"known": runtime.end_session(str(key))})

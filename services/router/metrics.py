@@ -26,6 +26,13 @@ EJECTIONS = metrics.counter("riptide_router_ejections_total",
                             "times an engine was ejected by failed health checks", ("engine",))
 CIRCUIT_OPENS = metrics.counter("riptide_router_circuit_opens_total",
                                 "times a target's circuit breaker opened", _T)
+LOAD_SIGNAL = metrics.gauge(
+    "riptide_router_load_signal", "1 while the engine's load reads arrive; 0: no load signal "
+    "(none of its last unhealthy_after_failures reads answered while /health did)",
+    ("engine",))
+LOAD_READ_FAILURES = metrics.counter(
+    "riptide_router_load_read_failures_total",
+    "load reads (/v1/loads or /get_load) of a healthy engine that got no load", ("engine",))
 ROUTABLE = metrics.gauge("riptide_router_routable", "1 when the target takes calls", _T)
 ROUTING_LATENCY = metrics.histogram("riptide_router_routing_latency_seconds",
                                     "time to choose a target for a call")
@@ -64,10 +71,11 @@ def series(target: Target) -> Series:
 
 
 def forget(target: Target) -> None:
-    """Drop a removed target's per-target series."""
+    """Drop a removed target's per-target series (and its engine's)."""
     _SERIES.pop(target, None)
-    for metric in (IN_FLIGHT, ROUTABLE):
+    for metric, names in ((IN_FLIGHT, labels(target)), (ROUTABLE, labels(target)),
+                          (LOAD_SIGNAL, (target.engine.url,))):
         try:
-            metric.remove(*labels(target))
+            metric.remove(*names)
         except KeyError:
             pass

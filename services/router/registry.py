@@ -30,6 +30,16 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def max_input_tokens(info: dict[str, Any]) -> int | None:
+    """The longest prompt an engine takes, from its server info: SGLang's `max_req_input_len`
+    (the scheduler's), else `context_length` - 1 (None when it says neither)."""
+    for key, less in (("max_req_input_len", 0), ("context_length", 1)):
+        value = info.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > less:
+            return value - less
+    return None
+
+
 class EngineRegistry:
     """Registered engines and their targets, in registration order."""
 
@@ -45,6 +55,14 @@ class EngineRegistry:
     def targets(self) -> list[Target]:
         return [t for e in self.engines.values() for t in e.targets]
 
+    def max_input_tokens(self) -> int | None:
+        """The longest prompt some registered engine takes; None while any engine has not
+        said (it might take more)."""
+        limits = [e.max_input_tokens for e in self.engines.values() if not e.leaving]
+        if not limits or None in limits:
+            return None
+        return max(limit for limit in limits if limit is not None)
+
     def notify(self, topology: bool = False) -> None:
         """Wake callers waiting for a routable target; `topology`: targets added or removed."""
         if topology:
@@ -59,10 +77,11 @@ class EngineRegistry:
         if existing is not None:
             # Registered again (a restart, or while draining out): keep it, re-read its version.
             existing.leaving = False
-            try:  # it may have come back as another SGLang version
-                await self.client.detect(url, self.probe_timeout_s)
+            try:  # it may have come back as another SGLang version, or another context
+                info = await self.client.server_info(url, self.probe_timeout_s)
             except EngineCallError as exc:
                 raise Unavailable(f"cannot register {url}: {exc}") from exc
+            existing.max_input_tokens = max_input_tokens(info)
             existing.weight_version = await self.read_version(url)
             self.notify()
             return existing
@@ -93,7 +112,8 @@ class EngineRegistry:
         dp_aware = dp_size > 1 and bool(info.get("enable_dp_attention"))
         # SGLang's max_running_requests is per dp rank under DP attention.
         max_running = int(info.get("max_running_requests") or 0)
-        engine = Engine(url=url, dp_size=dp_size, dp_aware=dp_aware, max_running=max_running)
+        engine = Engine(url=url, dp_size=dp_size, dp_aware=dp_aware, max_running=max_running,
+                        max_input_tokens=max_input_tokens(info))
         engine.targets = [Target(engine, rank) for rank in range(dp_size if dp_aware else 1)]
         return engine
 

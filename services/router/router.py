@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from services.common.bounds import check_prompt_tokens
 from services.common.errors import DeadlineExceeded, RiptideError, Unavailable
 from services.router import metrics
 from services.router.config import RouterConfig
@@ -105,14 +106,24 @@ class Router:
                  f"(want {version}) draining={t.draining}" for t in targets[:8]]
         return "; ".join(parts)
 
+    def check_prompt(self, body: dict[str, Any]) -> None:
+        """Refuse at once a prompt longer than any registered engine takes (an engine would
+        refuse it only after reading it whole, seconds later for a large one)."""
+        ids = body.get("input_ids")
+        if isinstance(ids, list) and ids:  # one prompt, or a batch of them (lists)
+            longest = max((len(i) for i in ids if isinstance(i, list)), default=len(ids))
+            check_prompt_tokens(longest, self.registry.max_input_tokens())
+
     async def generate(self, session_key: str, body: dict[str, Any]) -> RoutedReply:
         """Route one SGLang /generate body and return the engine's answer."""
+        self.check_prompt(body)
         target, reply = await self._route(session_key, body, self.calls.generate)
         meta = reply.get("meta_info") or {}
         return RoutedReply(reply, target, float(meta.get("e2e_latency") or 0.0))
 
     async def stream(self, session_key: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
         """Route a streaming /generate body; yields the engine's SSE lines unchanged."""
+        self.check_prompt(body)
         target, response = await self._route(session_key, body, self.calls.stream,
                                              keep_in_flight=True)
         last, served = b"", False
@@ -228,7 +239,8 @@ class Router:
 
     def state(self) -> dict[str, Any]:
         version, open_after = self.registry.weight_version, self.config.circuit_open_after_failures
-        targets = [t.view(version, open_after) for t in self.registry.targets()]
+        missing_after = self.config.unhealthy_after_failures
+        targets = [t.view(version, open_after, missing_after) for t in self.registry.targets()]
         prompt = sum(t.num_prompt_tokens for t in self.registry.targets())
         cached = sum(t.num_cached_tokens for t in self.registry.targets())
         return {
@@ -237,6 +249,9 @@ class Router:
             "num_routable": sum(1 for t in targets if t["routable"]),
             "spills": self.num_spills, "retries": self.num_retries,
             "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+            # engines routed by the router's own in-flight counts alone (min_load on nothing)
+            "no_load_signal": [e.url for e in self.registry.engines.values()
+                               if e.load_signal(missing_after) == "missing"],
             "targets": targets,
         }
 

@@ -12,6 +12,7 @@ import grpc
 import orjson
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.bounds import MAX_SGLANG_FIELDS_CHARS, check_id, check_prompt_tokens
 from services.common.engine_contract import weight_version_spans
 from services.common.errors import InvalidRequest
 from services.common.grpc_requests import require
@@ -37,6 +38,8 @@ def sglang_fields(text: str) -> dict[str, Any]:
     """The pass-through fields of `sglang_fields_json` (a JSON object, or empty)."""
     if not text:
         return {}
+    require(len(text) <= MAX_SGLANG_FIELDS_CHARS,
+            f"sglang_fields_json: at most {MAX_SGLANG_FIELDS_CHARS} characters, got {len(text)}")
     fields = json_object(text, "sglang_fields_json")
     if "stream" in fields or "input_ids" in fields or "text" in fields:
         raise InvalidRequest("sglang_fields_json may not set stream, input_ids or text "
@@ -47,9 +50,15 @@ def sglang_fields(text: str) -> dict[str, Any]:
     return fields
 
 
-def generate_body(request: router_pb2.GenerateRequest) -> dict[str, Any]:
+def generate_body(request: router_pb2.GenerateRequest,
+                  max_input_tokens: int | None = None) -> dict[str, Any]:
+    """The SGLang /generate body of a Generate request; InvalidRequest for what no engine
+    should see (checked cheapest first: a huge prompt is refused before its ids are read)."""
+    check_id("session_key", request.session_key)
+    check_id("request_id", request.request_id)
     if not request.input_ids:
         raise InvalidRequest("input_ids is empty")
+    check_prompt_tokens(len(request.input_ids), max_input_tokens)
     require(min(request.input_ids) >= 0, "input_ids: token ids are never negative")
     fields = sglang_fields(request.sglang_fields_json)
     params = sampling_params(request.sampling_params)
@@ -85,7 +94,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> router_pb2.GenerateResponse:
-        body = generate_body(request)
+        body = generate_body(request, self.runtime.registry.max_input_tokens())
         routed = await self.runtime.generate(request.session_key, body)
         reply, meta = routed.body, routed.body.get("meta_info") or {}
         output_ids = list(reply.get("output_ids") or [])
@@ -127,6 +136,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def EndSession(self, request: router_pb2.EndSessionRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> router_pb2.EndSessionResponse:
-        if not request.session_key:
-            raise InvalidRequest("session_key is empty")
+        check_id("session_key", request.session_key, required=True)
         return router_pb2.EndSessionResponse(known=self.runtime.end_session(request.session_key))

@@ -22,10 +22,31 @@ class Engine:
     leaving: bool = False
     weight_version: str | None = None
     max_running: int = 0  # per dp rank, from /get_server_info max_running_requests; 0 unknown
+    max_input_tokens: int | None = None  # longest prompt it takes (max_req_input_len); None unknown
     health_failures: int = 0
     health_successes: int = 0
     num_ejections: int = 0
+    #: Consecutive load reads that failed while /health answered; None: none tried yet.
+    load_failures: int | None = None
     targets: list[Target] = field(default_factory=list)
+
+    def load_signal(self, missing_after: int) -> str:
+        """"ok" (its load arrives), "missing" (the last `missing_after` reads while healthy
+        got none: the router sees only its own in-flight calls) or "pending" (not read yet)."""
+        if self.load_failures is None:
+            return "pending"
+        return "missing" if self.load_failures >= missing_after else "ok"
+
+    def record_load(self, ok: bool, missing_after: int) -> str | None:
+        """Count one load read; returns "lost" or "back" when the signal changes."""
+        before = self.load_signal(missing_after)
+        self.load_failures = 0 if ok else (self.load_failures or 0) + 1
+        after = self.load_signal(missing_after)
+        if after == before:
+            return None
+        if after == "missing":
+            return "lost"
+        return "back" if before == "missing" else None
 
     def record_health(self, ok: bool, eject_after: int, admit_after: int) -> str | None:
         """Count one health observation; returns "ejected" or "admitted" on a transition."""
@@ -114,7 +135,8 @@ class Target:
         waiting = max(0, self.in_flight + extra_calls - cap) if cap else self.reported_waiting
         return waiting * self.mean_call_s / max(cap, 1)
 
-    def view(self, current_version: int | None, open_after: int) -> dict[str, object]:
+    def view(self, current_version: int | None, open_after: int,
+             missing_after: int) -> dict[str, object]:
         """What the admin API and GetStatus show for this target."""
         e = self.engine
         hit = self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
@@ -130,5 +152,5 @@ class Target:
             "mean_call_s": round(self.mean_call_s, 4),
             "requests": self.num_requests, "prompt_tokens": self.num_prompt_tokens,
             "cached_tokens": self.num_cached_tokens, "hit_rate": round(hit, 4),
-            "ejections": e.num_ejections,
+            "ejections": e.num_ejections, "load_signal": e.load_signal(missing_after),
         }

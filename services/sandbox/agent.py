@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from services._proto.riptide.v1 import common_pb2
-from services.common.errors import Unavailable
+from services.common.errors import RiptideError
 from services.common.events import OBSERVATION_MAX_CHARS
 from services.sandbox.chat_format import ChatFormat
 from services.sandbox.config import AgentConfig
+from services.sandbox.failures import EngineError, model_error
 from services.sandbox.model_client import GenerateResult, ModelClient
 from services.sandbox.protocol import make_protocol
 from services.sandbox.provider import ExecResult, SandboxHandle, SandboxProvider
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 ProgressFn = Callable[[str, int, str], None]
 
 
-class GenerationAborted(Unavailable):
+class GenerationAborted(EngineError):
     """The engine aborted a turn (a weight update, a drained engine): the episode is cut short
     by the infrastructure, not by the model, so it gets no verdict."""
 
@@ -69,6 +70,8 @@ class AgentRun:
 
 class EpisodeAgent(Protocol):
     """What the episode runner drives: the built-in agent or a harness behind the gateway."""
+
+    config: AgentConfig
 
     @property
     def tokenizer(self) -> Any: ...
@@ -154,7 +157,9 @@ class TerminalAgent:
             return None
         params = common_pb2.SamplingParams()
         params.CopyFrom(sampling)
-        params.max_new_tokens = min(sampling.max_new_tokens or self.config.max_new_tokens, room)
+        asked = sampling.max_new_tokens if sampling.HasField("max_new_tokens") else \
+            self.config.max_new_tokens
+        params.max_new_tokens = min(asked, room)
         if self.chat.end_of_turn_id not in params.stop_token_ids:
             params.stop_token_ids.append(self.chat.end_of_turn_id)
         input_ids = run.trace.prompt_ids + run.trace.response_ids
@@ -164,6 +169,8 @@ class TerminalAgent:
                 self.model.generate(session_key, input_ids, params), remaining_s)
         except TimeoutError:
             return None
+        except RiptideError as exc:  # the router's or engine's: a failure class of its own
+            raise model_error(exc) from exc
         finally:
             run.generate_s += time.monotonic() - started
 

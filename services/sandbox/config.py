@@ -54,6 +54,8 @@ class AgentConfig(StrictModel):
     max_new_tokens: int = Field(4096, ge=1, description="per-turn cap when the request sets none")
     wall_time_s: float = Field(1800.0, gt=0, description="agent time cap (the task's own "
                                                          "agent timeout applies too)")
+    stop_grace_s: float = Field(60.0, gt=0, description="how long past its wall time an agent "
+                                "may take to stop before the episode is an agent timeout")
     default_command_timeout_s: float = Field(30.0, gt=0, description="timeout of a command "
                                                                      "that names none")
     max_command_timeout_s: float = Field(600.0, gt=0, description="cap of one command's timeout")
@@ -117,6 +119,18 @@ class SandboxConfig(ServiceConfig):
                                         description="sandbox creates in flight at once; "
                                                              "tunable live")
     delete_timeout_s: float = Field(60.0, gt=0, description="limit of one sandbox delete")
+    instance_name: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="this service's name in its sandboxes' labels, the same across restarts "
+                    "(default host:admin_port; with admin_port 0, unique per process)")
+    lease_s: float = Field(600.0, ge=1.0, le=86_400, description="a sandbox's lease: the "
+                           "reaper deletes it this long after its service last renewed it")
+    lease_renew_interval_s: float = Field(60.0, gt=0, le=3600, description="how often the "
+                                          "service renews the leases of its live sandboxes")
+    lease_create_grace_s: float = Field(1800.0, ge=0, le=86_400, description="extra lease of "
+                                        "a sandbox being created (image builds take long)")
+    reap_interval_s: float = Field(60.0, gt=0, le=3600, description="how often the reaper "
+                                   "lists the run's sandboxes (also at start-up and stop)")
     model_client: Literal["router", "scripted"] = Field(
         "router", description="router: the real model via Router.Generate; scripted: replayed "
                               "commands (tests and benchmarks only)")
@@ -151,6 +165,14 @@ class SandboxConfig(ServiceConfig):
         if self.agent.harness != "builtin" and self.model_client == "scripted":
             raise ValueError("the scripted model client replays the built-in protocol: use "
                              "sandbox.agent.harness = 'builtin' with it")
+        return self
+
+    @model_validator(mode="after")
+    def _renewals_within_lease(self) -> SandboxConfig:
+        if self.lease_renew_interval_s * 2 > self.lease_s:
+            raise ValueError(f"sandbox.lease_renew_interval_s ({self.lease_renew_interval_s}) "
+                             f"must be at most half of lease_s ({self.lease_s}), so that one "
+                             "failed renewal does not let a lease lapse: renew more often")
         return self
 
     @model_validator(mode="after")

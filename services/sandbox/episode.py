@@ -9,7 +9,6 @@ Called by the gRPC servicer (service.py); calls the provider, agent.py and verif
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -17,8 +16,11 @@ from collections.abc import Callable
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
 from services.common.errors import RiptideError
 from services.common.events import EventPublisher
+from services.common.no_verdict import trajectory_cause
 from services.sandbox.agent import AgentRun, EpisodeAgent
 from services.sandbox.episode_detail import episode_detail
+from services.sandbox.failures import AgentError, AgentTimeout, Phase, cause_of
+from services.sandbox.leases import Leases, Owner, new_incarnation
 from services.sandbox.limiter import Limiter
 from services.sandbox.live import LiveSandboxes
 from services.sandbox.provider import SandboxHandle, SandboxProvider
@@ -37,8 +39,9 @@ class EpisodeRunner:
     def __init__(self, provider: SandboxProvider, agent: EpisodeAgent, stats: SandboxStats,
                  max_concurrent_episodes: int, max_concurrent_creates: int,
                  run_name: str, delete_timeout_s: float = 60.0,
-                 events: EventPublisher | None = None) -> None:
+                 events: EventPublisher | None = None, leases: Leases | None = None) -> None:
         self.events = events or EventPublisher.disabled("sandbox")
+        self.leases = leases or Leases(provider, Owner(run_name, "", new_incarnation()))
         self.provider = provider
         self.agent = agent
         self.stats = stats
@@ -61,13 +64,15 @@ class EpisodeRunner:
         self.stats.episode_started()
         self.live.begin(request.sample_id, request.group_id, task.name)
         status = finish_reason = ""
+        cause: str | None = None
         try:
             trajectory = await self._run(task, request, emit, queued)
             status = common_pb2.VerdictStatus.Name(trajectory.status)
             finish_reason = trajectory.finish_reason
+            cause = trajectory_cause(trajectory)
         finally:
             self.live.end(request.sample_id)
-            self.stats.episode_finished(status, finish_reason)
+            self.stats.episode_finished(status, finish_reason, cause)
             await asyncio.shield(self.episodes.release())
         return trajectory
 
@@ -83,15 +88,16 @@ class EpisodeRunner:
 
         run: AgentRun | None = None
         handle: SandboxHandle | None = None
+        phase: Phase = "create"
         try:
             handle = await self._acquire(task, request.sample_id, timings)
             self.live.update(request.sample_id, state="running", sandbox_id=handle.sandbox_id)
             progress("sandbox_ready", 0, f"{handle.sandbox_id} in {timings.sandbox_create_s:.3f} s")
-            run = await self.agent.run(handle, task.instruction, request.sample_id,
-                                       request.sampling_params,
-                                       task.config.agent.timeout_sec, progress, task=task)
+            phase = "agent"
+            run = await self._run_agent(task, request, handle, progress)
             timings.generate_s, timings.exec_s = run.generate_s, run.exec_s
             self.live.update(request.sample_id, state="verifying")
+            phase = "verify"
             with self.events.span("sandbox.verify", id=request.sample_id,
                                   attrs={"task_id": task.name}) as attrs:
                 verdict = await verify(self.provider, handle, task)
@@ -102,7 +108,7 @@ class EpisodeRunner:
             timings.verify_s = verdict.verify_s
         except RiptideError as exc:
             log.warning("episode %s of %s has no verdict: %s", request.sample_id, task.name, exc)
-            verdict = Verdict.no_verdict(f"{type(exc).__name__}: {exc}")
+            verdict = Verdict.no_verdict(f"{type(exc).__name__}: {exc}", cause_of(exc, phase))
         finally:
             if handle is not None:
                 self.live.update(request.sample_id, state="deleting")
@@ -113,18 +119,39 @@ class EpisodeRunner:
             progress("verifier", run.num_turns if run else 0, f"no_verdict: {verdict.message}")
         timings.total_s = time.monotonic() - queued
         trajectory = _trajectory(task, request, run, verdict, timings)
-        self.events.publish_episode(episode_detail(trajectory, run, verdict, self._decode_one))
+        self.events.publish_episode(episode_detail(trajectory, run, verdict, self._decode))
         return trajectory
 
-    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 - one runner per process, lives as long
-    def _decode_one(self, token: int) -> str:
-        """A token's text; cached, since episodes reuse few ids and decoding one costs ~10 us."""
-        return str(self.agent.tokenizer.decode([token], skip_special_tokens=False))
+    async def _run_agent(self, task: Task, request: sandbox_pb2.RunEpisodeRequest,
+                         handle: SandboxHandle, progress: Callable[[str, int, str], None]
+                         ) -> AgentRun:
+        """The agent's turns; it stops by itself at its wall time, and an agent still going
+        `stop_grace_s` later (a hung command or harness) is an agent timeout."""
+        wall_time_s = min(task.config.agent.timeout_sec, self.agent.config.wall_time_s)
+        hard_limit_s = wall_time_s + self.agent.config.stop_grace_s
+        try:
+            return await asyncio.wait_for(
+                self.agent.run(handle, task.instruction, request.sample_id,
+                               request.sampling_params, task.config.agent.timeout_sec, progress,
+                               task=task),
+                hard_limit_s)
+        except TimeoutError:
+            raise AgentTimeout(f"the agent did not stop within {hard_limit_s:g} s (wall time "
+                               f"{wall_time_s:g} s + grace {self.agent.config.stop_grace_s:g} "
+                               "s)") from None
+        except RiptideError:
+            raise
+        except Exception as exc:  # a crash of the agent or harness: this episode's, not ours
+            log.exception("the agent of episode %s failed", request.sample_id)
+            raise AgentError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _decode(self, ids: list[int]) -> str:
+        """The text of a run of token ids (one to four: episode_detail.token_texts)."""
+        return str(self.agent.tokenizer.decode(ids, skip_special_tokens=False))
 
     async def _acquire(self, task: Task, sample_id: str,
                        timings: common_pb2.EpisodeTimings) -> SandboxHandle:
-        labels = {"riptide.run": self.run_name, "riptide.task": task.name,
-                  "riptide.episode": sample_id}
+        labels = self.leases.labels(task.name, sample_id)
         waited = time.monotonic()
         creation = asyncio.ensure_future(self._create(task, labels, waited))
         try:
@@ -150,6 +177,7 @@ class EpisodeRunner:
                 attrs["sandbox"] = handle.sandbox_id
         now = time.monotonic()
         self.stats.sandbox_created(handle, now - started, now - waited)
+        self.leases.track(handle, labels)
         return handle
 
     def _delete_late_arrival(self, creation: asyncio.Future[SandboxHandle]) -> None:
@@ -167,6 +195,7 @@ class EpisodeRunner:
 
     async def _delete(self, handle: SandboxHandle) -> None:
         ok = False
+        self.leases.forget(handle.sandbox_id)
         with self.events.span("sandbox.delete", id=handle.sandbox_id,
                               attrs={"sandbox": handle.sandbox_id,
                                      "task_id": handle.task_name}) as attrs:
@@ -191,7 +220,7 @@ def _trajectory(task: Task, request: sandbox_pb2.RunEpisodeRequest, run: AgentRu
     trajectory = common_pb2.Trajectory(
         sample_id=request.sample_id, group_id=request.group_id, task_id=task.name,
         sample_index=request.sample_index, reward=verdict.reward, status=verdict.status,
-        status_message=verdict.message, timings=timings)
+        status_message=verdict.message, timings=timings, no_verdict_cause=verdict.cause)
     if run is not None:
         trace = run.trace
         trajectory.prompt_ids.extend(trace.prompt_ids)

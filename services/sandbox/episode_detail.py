@@ -14,12 +14,32 @@ from services._proto.riptide.v1 import common_pb2
 from services.sandbox.agent import AgentRun
 from services.sandbox.verifier import Verdict
 
-#: The text of one token id on its own (special tokens kept).
-DecodeFn = Callable[[int], str]
+#: The text of a run of token ids (special tokens kept).
+DecodeFn = Callable[[list[int]], str]
+#: A UTF-8 character spans at most this many byte-level tokens.
+_MAX_CHAR_TOKENS = 4
+_INCOMPLETE = "\ufffd"
+
+
+def token_texts(ids: list[int], decode: DecodeFn) -> list[str]:
+    """Each token's text such that they join into the sequence's text: a character split
+    over several byte-level tokens is given whole to its last token (the others get ""),
+    so the per-token view shows text, never the replacement characters of half a character.
+    An invalid byte run is given as decoded after at most `_MAX_CHAR_TOKENS` tokens."""
+    out: list[str] = []
+    start = 0  # the first token whose text is not yet given
+    for end in range(1, len(ids) + 1):
+        text = decode(ids[start:end])
+        if text.endswith(_INCOMPLETE) and end - start < _MAX_CHAR_TOKENS:
+            out.append("")  # the character goes on in the next token
+            continue
+        out.append(text)
+        start = end
+    return out
 
 
 def episode_detail(trajectory: common_pb2.Trajectory, run: AgentRun | None, verdict: Verdict,
-                   decode_one: DecodeFn) -> Callable[[], dict[str, Any]]:
+                   decode: DecodeFn) -> Callable[[], dict[str, Any]]:
     """A builder of the episode's record. It reads the agent's own token lists (final once the
     episode ended), never the trajectory message, which the servicer is sending meanwhile."""
     verdict_name = common_pb2.VerdictStatus.Name(verdict.status).removeprefix("VERDICT_STATUS_")
@@ -39,7 +59,7 @@ def episode_detail(trajectory: common_pb2.Trajectory, run: AgentRun | None, verd
             "tokens": {"ids": ids,
                        "loss_mask": [0] * len(prompt) + (trace.loss_mask if trace else []),
                        "logprobs": [0.0] * len(prompt) + (trace.logprobs if trace else [])},
-            "token_text": [decode_one(token) for token in ids],
+            "token_text": token_texts(ids, decode),
         }
 
     return build

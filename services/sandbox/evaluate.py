@@ -24,6 +24,16 @@ from services.sandbox.stats import SandboxStats
 from services.sandbox.task import TaskSet
 
 
+def eval_sample_id(task_name: str, index: int) -> str:
+    """The sample id (the router's session key) of episode `index` of a task."""
+    return f"eval-{task_name}-{index}-{uuid.uuid4().hex[:6]}"
+
+
+def task_of_sample_id(sample_id: str) -> str:
+    """The task name inside an `eval_sample_id` (task names may hold dashes; the rest not)."""
+    return sample_id.removeprefix("eval-").rsplit("-", 2)[0]
+
+
 async def evaluate(tasks: TaskSet, model: ModelClient, chat: ChatFormat,
                    provider: SandboxProvider, agent: AgentConfig, *, num_samples: int = 1,
                    greedy: bool = True, temperature: float = 0.8,
@@ -42,7 +52,7 @@ async def evaluate(tasks: TaskSet, model: ModelClient, chat: ChatFormat,
         if not greedy:
             params.sampling_seed = seed * 1_000_003 + index
         request = sandbox_pb2.RunEpisodeRequest(
-            task_id=task_name, sample_id=f"eval-{task_name}-{index}-{uuid.uuid4().hex[:6]}",
+            task_id=task_name, sample_id=eval_sample_id(task_name, index),
             group_id=f"eval-{task_name}", sample_index=index, sampling_params=params)
         return await runner.run(tasks.get(task_name), request, lambda progress: None)
 

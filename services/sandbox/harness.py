@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import ConfigError, Unavailable
+from services.sandbox.failures import AgentTimeout
 from services.sandbox.provider import ExecResult, SandboxHandle, SandboxProvider
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ class HarnessError(Unavailable):
     """The harness crashed or could not run: the episode has no verdict (agent/harness error)."""
 
 
-class HarnessTimeout(HarnessError):
+class HarnessTimeout(AgentTimeout):
     """The harness did not return within the episode's wall time: no verdict (agent timeout)."""
 
 

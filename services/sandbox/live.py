@@ -13,7 +13,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,6 +62,10 @@ class LiveSandboxes:
         """Something outside the episodes changed (a sandbox was deleted)."""
         self.changes += 1
 
+    def episode_ids(self) -> set[str]:
+        """The sample ids of the episodes holding or making a sandbox now."""
+        return set(self._episodes)
+
     def end(self, sample_id: str) -> None:
         if self._episodes.pop(sample_id, None) is not None:
             self.changes += 1
@@ -97,22 +101,25 @@ def instance_name() -> str:
 
 
 def publish_snapshot(events: EventPublisher, live: LiveSandboxes,
-                     alive: Mapping[str, SandboxHandle], heartbeat_s: float) -> None:
-    """Publish one `sandbox.live` snapshot now."""
+                     alive: Mapping[str, SandboxHandle], heartbeat_s: float,
+                     lifecycle: Callable[[], dict[str, Any]] | None = None) -> None:
+    """Publish one `sandbox.live` snapshot now, with the `lifecycle` figures (leased,
+    reaped, failed deletes) when given."""
     rows = live.snapshot(alive, time.time())
     events.publish("sandbox.live", id=instance_name(), attrs={
         "instance": instance_name(), "heartbeat_s": heartbeat_s, "num_live": len(rows),
-        "sandboxes": rows[:MAX_ROWS]})
+        "sandboxes": rows[:MAX_ROWS], **(lifecycle() if lifecycle else {})})
 
 
 async def publish_live(events: EventPublisher, live: LiveSandboxes,
                        alive: Mapping[str, SandboxHandle], interval_s: float,
-                       heartbeat_s: float) -> None:
+                       heartbeat_s: float,
+                       lifecycle: Callable[[], dict[str, Any]] | None = None) -> None:
     """Snapshots until cancelled: on a change (checked every `interval_s`) or each
     `heartbeat_s`."""
     published_changes, published_at = -1, 0.0
     while True:
         if live.changes != published_changes or time.monotonic() - published_at >= heartbeat_s:
             published_changes, published_at = live.changes, time.monotonic()
-            publish_snapshot(events, live, alive, heartbeat_s)
+            publish_snapshot(events, live, alive, heartbeat_s, lifecycle)
         await asyncio.sleep(interval_s)

@@ -161,7 +161,7 @@ class ScriptedModelClient:
         text = turns[index] if index < len(turns) else COMPLETE_TURN
         ids = self._chat.encode(text) + [self._chat.end_of_turn_id]
         finish = "stop"
-        if sampling.max_new_tokens and len(ids) > sampling.max_new_tokens:
+        if sampling.HasField("max_new_tokens") and len(ids) > sampling.max_new_tokens:
             ids, finish = ids[: sampling.max_new_tokens], "length"
         return GenerateResult(ids, [0.0] * len(ids), finish, self._weight_version)
 

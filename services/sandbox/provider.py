@@ -8,6 +8,10 @@ Paths given to `exec`, `upload` and `download` are paths *inside* the sandbox, a
 sees them (`/app`, `/tests`, `/logs/verifier`, `/solution`); each provider maps them onto its
 own storage. A command's failure is an `ExecResult` with its exit code; a failure of the
 sandbox itself (cannot start, vanished, provider down) raises `SandboxError`.
+
+Three optional hooks serve leases and the reaper (leases.py, reaper.py): `list_sandboxes`
+finds sandboxes by label at the provider, whichever process made them; `set_labels`
+replaces a live sandbox's labels (a lease renewal); `delete_listed` deletes a listed one.
 """
 
 from __future__ import annotations
@@ -63,6 +67,16 @@ class ExecResult:
         return self.stdout + self.stderr
 
 
+@dataclass(frozen=True)
+class ListedSandbox:
+    """A sandbox as the provider lists it: any process's, found by its labels."""
+
+    sandbox_id: str
+    labels: Mapping[str, str]
+    info: Mapping[str, Any] = field(default_factory=dict)
+    """What the provider needs to delete it (a local tree's path)."""
+
+
 class SandboxProvider(abc.ABC):
     """One kind of sandbox; implementations are safe to call concurrently from one event loop."""
 
@@ -102,6 +116,21 @@ class SandboxProvider(abc.ABC):
     @abc.abstractmethod
     async def delete(self, handle: SandboxHandle) -> None:
         """Kill everything running in the sandbox and release it. Idempotent."""
+
+    supports_listing: bool = False
+    """Whether `list_sandboxes` sees every sandbox at the provider (leases need it)."""
+
+    async def list_sandboxes(self, labels: Mapping[str, str]) -> list[ListedSandbox]:
+        """Sandboxes at the provider carrying every label in `labels`, made by any process.
+        Optional: none by default (`supports_listing` False)."""
+        return []
+
+    async def set_labels(self, handle: SandboxHandle,  # noqa: B027 (an optional hook)
+                         labels: Mapping[str, str]) -> None:
+        """Replace the labels of a live sandbox (a lease renewal). Optional."""
+
+    async def delete_listed(self, sandbox: ListedSandbox) -> None:  # noqa: B027
+        """Delete a sandbox found by `list_sandboxes`, whoever made it. Idempotent. Optional."""
 
     async def close(self) -> None:  # noqa: B027 (an optional hook)
         """Release provider-wide resources (clients, pools). Optional."""

@@ -5,6 +5,7 @@ Imports the heavy parts (tokenizer, provider SDKs) only here, after the config i
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,30 @@ def load_tokenizer(path: str | None) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def gateway_model_client(deployment_config: Any, model: Any) -> Any:
+    """How the gateway reaches the router: its SGLang-compatible HTTP front where one is served
+    on a known port (less per call than gRPC), else `model`, the service's Router.Generate
+    client (also what a scripted run uses)."""
+    router = deployment_config.router
+    if deployment_config.sandbox.model_client != "router" or not router.http_port:
+        return model
+    from services.sandbox.engine_model_client import EngineModelClient
+
+    return EngineModelClient(f"http://{router.host}:{router.http_port}",
+                             deployment_config.sandbox.generate_timeout_s,
+                             deployment_config.run.engine_api_key, routed=True)
+
+
 def build_runtime(deployment_config: Any) -> ServiceRuntime:
     """The sandbox ServiceRuntime for this deployment."""
     from services.common.events import EventPublisher
     from services.sandbox.agent import EpisodeAgent, TerminalAgent
     from services.sandbox.chat_format import ChatFormat
     from services.sandbox.episode import EpisodeRunner
+    from services.sandbox.leases import Leases, Owner, new_incarnation
     from services.sandbox.model_client import ModelClient, RouterModelClient, ScriptedModelClient
     from services.sandbox.provider import make_provider
+    from services.sandbox.reaper import Reaper
     from services.sandbox.scripted_policy import scripted_turns
     from services.sandbox.service import SandboxService
     from services.sandbox.stats import SandboxStats
@@ -57,13 +74,20 @@ def build_runtime(deployment_config: Any) -> ServiceRuntime:
                                   config.generate_timeout_s)
     provider = make_provider(config.provider)
     stats = SandboxStats()
+    incarnation = new_incarnation()
+    owner = Owner(deployment_config.run.name, instance_name(config, incarnation), incarnation)
+    leases = Leases(provider, owner, config.lease_s, config.lease_create_grace_s)
+    events = EventPublisher(deployment_config.redis.url, deployment_config.run.name, "sandbox",
+                            deployment_config.run.events)
     gateway = None
     if config.gateway_enabled:
         from services.sandbox.gateway.server import AgentGateway
 
-        gateway = AgentGateway(model, chat.tokenizer, config.gateway.model_name,
+        gateway_model = gateway_model_client(deployment_config, model)
+        gateway = AgentGateway(gateway_model, chat.tokenizer, config.gateway.model_name,
                                config.gateway.host, config.gateway.port,
-                               config.gateway.max_body_kb * 1024)
+                               config.gateway.max_body_kb * 1024,
+                               owns_model=gateway_model is not model)
     agent: EpisodeAgent = TerminalAgent(model, chat, provider, config.agent)
     if config.agent.harness != "builtin":
         from services.sandbox.harness import make_harness
@@ -73,8 +97,18 @@ def build_runtime(deployment_config: Any) -> ServiceRuntime:
         agent = HarnessAgent(make_harness(config.agent.harness), gateway, provider, config.agent)
     runner = EpisodeRunner(provider, agent, stats,
                            config.max_concurrent_episodes, config.max_concurrent_creates,
-                           deployment_config.run.name, config.delete_timeout_s,
-                           EventPublisher(deployment_config.redis.url, deployment_config.run.name,
-                                          "sandbox", deployment_config.run.events))
+                           deployment_config.run.name, config.delete_timeout_s, events, leases)
+    reaper = Reaper(provider, leases, runner.live.episode_ids, config.delete_timeout_s, events)
     return SandboxService(config, tasks, provider, model, runner, stats, scripts, script_maker,
-                          gateway)
+                          reaper, gateway)
+
+
+def instance_name(config: Any, incarnation: str) -> str:
+    """This service's stable name in its sandboxes' labels: a restart on the same host and
+    admin port is the same instance (the port is bound before the reaper's first sweep, so a
+    live predecessor would have stopped this process); with a free port (0), no
+    predecessor can be recognized and the name is unique to this process."""
+    if config.instance_name:
+        return str(config.instance_name)
+    host = socket.gethostname()
+    return f"{host}:{config.admin_port}" if config.admin_port else f"{host}:{incarnation}"

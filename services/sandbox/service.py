@@ -1,6 +1,8 @@
 """The sandbox service: the Sandbox gRPC API over the episode runner, plus admin state.
 
-Owns the task set, the provider, the model client and the episode runner; serves
+Owns the task set, the provider, the model client, the episode runner and, where the
+provider can list its sandboxes, the lease renewals and the reaper (leases.py, reaper.py:
+a first sweep at start-up, one per `reap_interval_s`, a last one at stop); serves
 `RunEpisode` (progress events, then exactly one trajectory), `ListTasks` and `GetStatus`.
 Built by server.py's `build_runtime`, run by services/common/serve.py.
 """
@@ -16,7 +18,8 @@ import grpc
 from fastapi import APIRouter
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2, sandbox_pb2_grpc
-from services.common.errors import Conflict, NotFound, Unavailable, quote
+from services.common.bounds import check_id
+from services.common.errors import Conflict, NotFound, Unavailable
 from services.common.grpc_requests import require
 from services.common.grpc_server import GuardedRegistrar
 from services.common.sampling_params import sampling_params
@@ -26,6 +29,7 @@ from services.sandbox.episode import EpisodeRunner
 from services.sandbox.live import publish_live, publish_snapshot
 from services.sandbox.model_client import ModelClient
 from services.sandbox.provider import SandboxProvider
+from services.sandbox.reaper import Reaper
 from services.sandbox.stats import SandboxStats
 from services.sandbox.task import Task, TaskSet
 
@@ -37,21 +41,20 @@ log = logging.getLogger(__name__)
 _End = common_pb2.Trajectory | BaseException
 
 
-#: Ids are router session keys and log fields: short, printable.
-MAX_ID_CHARS = 256
-
-
-def check_episode_request(request: sandbox_pb2.RunEpisodeRequest) -> None:
+def check_episode_request(request: sandbox_pb2.RunEpisodeRequest,
+                          max_context_tokens: int) -> None:
     """Range checks of a RunEpisode request before any sandbox is made: ids that are set,
-    short and printable, and sampling parameters an engine accepts (InvalidRequest)."""
+    short and printable, sampling parameters an engine accepts, and no more new tokens per
+    turn than the agent's whole context holds (InvalidRequest)."""
     for name in ("task_id", "sample_id", "group_id"):
-        value = getattr(request, name)
-        require(len(value) <= MAX_ID_CHARS and value.isprintable(),
-                f"{name}: at most {MAX_ID_CHARS} printable characters, got "
-                f"{quote(value, 40)}")
+        check_id(name, getattr(request, name))
     require(bool(request.task_id), "task_id is empty: ListTasks lists the tasks")
     require(bool(request.sample_id), "RunEpisode needs a sample_id (the router session key)")
     sampling_params(request.sampling_params)  # the router would refuse it at the first turn
+    asked = request.sampling_params.max_new_tokens
+    require(asked <= max_context_tokens,
+            f"sampling_params.max_new_tokens: {asked} is more than the agent's context cap "
+            f"(sandbox.agent.max_context_tokens = {max_context_tokens})")
 
 
 class SandboxService(ServiceRuntime):
@@ -64,8 +67,10 @@ class SandboxService(ServiceRuntime):
                  model: ModelClient, runner: EpisodeRunner, stats: SandboxStats,
                  scripts: dict[str, list[str]] | None = None,
                  script_maker: Callable[[Task], list[str]] | None = None,
-                 gateway: AgentGateway | None = None) -> None:
+                 reaper: Reaper | None = None, gateway: AgentGateway | None = None) -> None:
         super().__init__()
+        self.reaper = reaper
+        self._upkeep: list[asyncio.Task[None]] = []
         self.config = config
         self.tunable = config
         self.tasks = tasks
@@ -90,10 +95,17 @@ class SandboxService(ServiceRuntime):
             await self.gateway.start()
             log.info("agent gateway on %s", self.gateway.base_url("<episode>"))
         self._started = True
+        loop = asyncio.get_running_loop()
+        if self.reaper is not None and self.provider.supports_listing:
+            self._upkeep = [
+                loop.create_task(self.reaper.keep_reaping(self.config.reap_interval_s)),
+                loop.create_task(self.runner.leases.keep_renewing(
+                    self.config.lease_renew_interval_s))]
         if self.runner.events.enabled:
-            self._live = asyncio.get_running_loop().create_task(publish_live(
+            self._live = loop.create_task(publish_live(
                 self.runner.events, self.runner.live, self.stats.alive,
-                self.config.live_snapshot_interval_s, self.config.live_snapshot_heartbeat_s))
+                self.config.live_snapshot_interval_s, self.config.live_snapshot_heartbeat_s,
+                self.sandbox_lifecycle))
 
     def ready(self) -> bool:
         return self._started
@@ -107,18 +119,37 @@ class SandboxService(ServiceRuntime):
         await self.runner.drain_deletes(self.config.delete_timeout_s)
         if self.gateway is not None:
             await self.gateway.stop()
+        for task in self._upkeep:
+            task.cancel()
+        if self._upkeep and self.reaper is not None:  # what this run's service made goes
+            await asyncio.gather(*self._upkeep, return_exceptions=True)
+            await self.reaper.sweep(final=True)
         if self._live is not None:
             self._live.cancel()
             # the last snapshot: what is still alive after the drain (usually nothing)
             publish_snapshot(self.runner.events, self.runner.live, self.stats.alive,
-                             self.config.live_snapshot_heartbeat_s)
+                             self.config.live_snapshot_heartbeat_s, self.sandbox_lifecycle)
         await self.model.close()
         await self.provider.close()
         await asyncio.to_thread(self.runner.events.close)
 
+    def sandbox_lifecycle(self) -> dict[str, Any]:
+        """Sandbox lifecycle figures: live, leased, reaped, failed deletes (episodes' and the
+        reaper's), and whose they are."""
+        leases, reaper = self.runner.leases, self.reaper
+        return {"incarnation": leases.owner.incarnation, "service_instance": leases.owner.instance,
+                "num_alive": len(self.stats.alive), "num_leased": leases.num_leased(),
+                "num_reaped": sum(reaper.reaped.values()) if reaper else 0,
+                "num_delete_failures": self.stats.delete_failures
+                + (reaper.delete_failures if reaper else 0),
+                "lease_renew_failures": leases.renew_failures,
+                "reaping": bool(self._upkeep)}
+
     def state(self) -> dict[str, Any]:
         return {
             **self.stats.snapshot(),
+            "lifecycle": self.sandbox_lifecycle(),
+            "reaper": self.reaper.stats() if self.reaper else {},
             "provider": self.config.provider.type,
             "model_client": self.config.model_client,
             "num_tasks": len(self.tasks),
@@ -161,7 +192,7 @@ class SandboxService(ServiceRuntime):
         """Progress events as they happen, then the trajectory."""
         if self.paused:
             raise Unavailable("the sandbox service is paused; resume it or retry later")
-        check_episode_request(request)  # before any sandbox is made
+        check_episode_request(request, self.config.agent.max_context_tokens)  # before any sandbox
         task = self.task(request.task_id)
         if request.sample_id in self._running:
             raise Conflict(f"an episode with sample_id {request.sample_id!r} is already running; "

@@ -18,6 +18,8 @@ CREATE_LATENCY = metrics.histogram("riptide_sandbox_create_seconds",
                                    "provider create time of one sandbox")
 ACQUIRE_LATENCY = metrics.histogram("riptide_sandbox_acquire_seconds",
                                     "time from asking for a sandbox to holding it")
+NO_VERDICT = metrics.counter("riptide_sandbox_no_verdict_total",
+                             "episodes without verdict by cause", ("cause",))
 FAILURES = metrics.counter("riptide_sandbox_failures_total", "failed creates and deletes",
                            ("operation",))
 
@@ -39,6 +41,7 @@ class SandboxStats:
     episodes_queued: int = 0
     episodes_by_status: Counter[str] = field(default_factory=Counter)
     finish_reasons: Counter[str] = field(default_factory=Counter)
+    no_verdict_by_cause: Counter[str] = field(default_factory=Counter)
     create_failures: int = 0
     delete_failures: int = 0
     alive: dict[str, SandboxHandle] = field(default_factory=dict)
@@ -61,13 +64,17 @@ class SandboxStats:
         self.episodes_running += 1
         RUNNING.set(self.episodes_running)
 
-    def episode_finished(self, status: str, finish_reason: str) -> None:
+    def episode_finished(self, status: str, finish_reason: str,
+                         no_verdict_cause: str | None = None) -> None:
         self.episodes_running -= 1
         RUNNING.set(self.episodes_running)
         if status:
             self.episodes_by_status[status] += 1
             self.finish_reasons[finish_reason] += 1
             EPISODES.labels(status).inc()
+        if no_verdict_cause is not None:
+            self.no_verdict_by_cause[no_verdict_cause] += 1
+            NO_VERDICT.labels(no_verdict_cause).inc()
 
     def sandbox_deleted(self, handle: SandboxHandle, ok: bool) -> None:
         self.alive.pop(handle.sandbox_id, None)
@@ -85,6 +92,7 @@ class SandboxStats:
             "episodes_queued": self.episodes_queued,
             "episodes_finished": dict(self.episodes_by_status),
             "finish_reasons": dict(self.finish_reasons),
+            "no_verdict_by_cause": dict(self.no_verdict_by_cause),
             "sandboxes_alive": len(self.alive),
             "oldest_sandbox_age_s": round(max((now - h.created_at for h in self.alive.values()
                                                if h.created_at), default=0.0), 3),

@@ -4,18 +4,20 @@ After the agent stops, `tests/` (withheld until now) is uploaded to `/tests` and
 `bash /tests/test.sh` runs with the task's verifier timeout. The reward is
 `/logs/verifier/reward.json` or else `/logs/verifier/reward.txt` (one float), read back
 with `cat`; the script's exit code means nothing (terminal-bench scripts exit 0 on
-failure). No reward file, a timeout or a sandbox failure is a `no_verdict` with the reason,
-never a silent 0.
+failure). No reward file, a timeout or a sandbox failure is a `no_verdict` with the reason
+and its cause (verifier error, verifier timeout, sandbox lost), never a silent 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
 from dataclasses import dataclass
 
 from services._proto.riptide.v1 import common_pb2
+from services.sandbox import failures
 from services.sandbox.provider import ExecResult, SandboxError, SandboxHandle, SandboxProvider
 from services.sandbox.reply_format import truncate_middle
 from services.sandbox.task import Task
@@ -36,10 +38,14 @@ class Verdict:
     message: str = ""
     verify_s: float = 0.0
     exit_code: int | None = None  # of tests/test.sh, when it ran to its end
+    cause: failures.Cause = common_pb2.NO_VERDICT_CAUSE_UNSPECIFIED
+    """Why there is no verdict (failures.py); unspecified when scored."""
 
     @classmethod
-    def no_verdict(cls, message: str, verify_s: float = 0.0) -> Verdict:
-        return cls(common_pb2.VERDICT_STATUS_NO_VERDICT, 0.0, message, verify_s)
+    def no_verdict(cls, message: str, cause: failures.Cause, verify_s: float = 0.0,
+                   exit_code: int | None = None) -> Verdict:
+        return cls(common_pb2.VERDICT_STATUS_NO_VERDICT, 0.0, message, verify_s, exit_code,
+                   cause)
 
 
 def _tail(result: ExecResult) -> str:
@@ -81,9 +87,9 @@ async def verify(provider: SandboxProvider, handle: SandboxHandle, task: Task,
     try:
         verdict = await _verify(provider, handle, task, timeout_s)
     except SandboxError as exc:
-        verdict = Verdict.no_verdict(f"sandbox failure during verification: {exc}")
-    return Verdict(verdict.status, verdict.reward, verdict.message, time.monotonic() - started,
-                   verdict.exit_code)
+        verdict = Verdict.no_verdict(f"sandbox failure during verification: {exc}",
+                                     failures.SANDBOX_LOST)
+    return dataclasses.replace(verdict, verify_s=time.monotonic() - started)
 
 
 async def _verify(provider: SandboxProvider, handle: SandboxHandle, task: Task,
@@ -94,18 +100,20 @@ async def _verify(provider: SandboxProvider, handle: SandboxHandle, task: Task,
         handle, f"rm -rf {REWARD_DIR} && mkdir -p {REWARD_DIR} && bash /tests/test.sh",
         timeout_s, env=task.config.verifier.env or None)
     if run.timed_out:
-        return Verdict.no_verdict(f"tests/test.sh timed out after {timeout_s:g} s: {_tail(run)}")
+        return Verdict.no_verdict(f"tests/test.sh timed out after {timeout_s:g} s: {_tail(run)}",
+                                  failures.VERIFIER_TIMEOUT)
     found = await provider.exec(handle, _READ_REWARD, _SETUP_TIMEOUT_S, cwd="/")
     if found.exit_code == 0:
         name, _, text = found.stdout.partition("\n")
         try:
             reward = parse_reward(name, text)
         except ValueError as exc:
-            return Verdict(common_pb2.VERDICT_STATUS_NO_VERDICT, 0.0, str(exc),
-                           exit_code=run.exit_code)
+            return Verdict.no_verdict(str(exc), failures.VERIFIER_ERROR,
+                                      exit_code=run.exit_code)
         return Verdict(common_pb2.VERDICT_STATUS_SCORED, reward, "", exit_code=run.exit_code)
     if found.exit_code != 44:
-        return Verdict.no_verdict(f"cannot read {REWARD_DIR}: {_tail(found)}")
-    return Verdict(common_pb2.VERDICT_STATUS_NO_VERDICT, 0.0,
-                   f"tests/test.sh wrote no {REWARD_DIR}/reward.json or reward.txt "
-                   f"(exit code {run.exit_code}): {_tail(run)}", exit_code=run.exit_code)
+        return Verdict.no_verdict(f"cannot read {REWARD_DIR}: {_tail(found)}",
+                                  failures.VERIFIER_ERROR)
+    return Verdict.no_verdict(f"tests/test.sh wrote no {REWARD_DIR}/reward.json or reward.txt "
+                              f"(exit code {run.exit_code}): {_tail(run)}",
+                              failures.VERIFIER_ERROR, exit_code=run.exit_code)

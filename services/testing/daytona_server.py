@@ -1,9 +1,10 @@
 """A stand-in for Daytona's REST API, backed by local (bubblewrap) sandboxes, for tests and benches.
 
 It serves the subset of the API that the real `daytona` SDK calls for Riptide's provider:
-control plane under `/api` (sandbox create/get/list/delete/start/stop, toolbox proxy URL,
-snapshots get/create) and the toolbox under `/toolbox/{id}` (daytona_toolbox.py), speaking
-the SDK's own wire format so that the real client code runs. A sandbox's image is resolved
+control plane under `/api` (sandbox create/get/delete/start/stop, list by labels in cursor
+pages, label replacement, toolbox proxy URL, snapshots get/create) and the toolbox under
+`/toolbox/{id}` (daytona_toolbox.py), speaking the SDK's own wire format so that the real
+client code runs. A sandbox's image is resolved
 to a task of `--tasks-dir`: a task whose `docker_image` is that image, or whose name is the
 image's last path component (`riptide-tasks/hello:latest` -> task `hello`); the local
 provider then builds the sandbox from that task's environment. Test controls under `/_test`
@@ -35,6 +36,7 @@ from services.sandbox.task import Task, TaskSet
 from services.testing.daytona_toolbox import Session, error, toolbox_routes
 
 ORGANIZATION_ID = "riptide-test-org"
+LIST_PAGE_SIZE = 100
 
 
 def _now() -> str:
@@ -63,7 +65,7 @@ class DaytonaStandIn:
         self.snapshots: dict[str, dict[str, Any]] = {}
         self.base_url = ""
         self.counts = {"create_requests": 0, "creates": 0, "rejected": 0, "deletes": 0,
-                       "snapshot_creates": 0}
+                       "snapshot_creates": 0, "list_requests": 0, "label_updates": 0}
         self.reject_next_creates = 0
         self.created_labels: list[dict[str, str]] = []
 
@@ -142,7 +144,9 @@ def build_app(state: DaytonaStandIn) -> FastAPI:
         task = state.task_for_image(image) if image else None
         if task is None:
             return error(400, f"cannot resolve image {image!r} to a task of the stand-in")
-        handle = await state.provider.create(task, labels=body.get("labels"))
+        # The labels stay with the stand-in's record: its local sandboxes are its own
+        # business, never listed by a local provider of the run under test.
+        handle = await state.provider.create(task)
         record = SandboxRecord(handle.sandbox_id, handle, body,
                                snapshot["name"] if snapshot else None)
         state.sandboxes[record.id] = record
@@ -165,11 +169,36 @@ def build_app(state: DaytonaStandIn) -> FastAPI:
         return JSONResponse(state.sandbox_dto(record))
 
     @app.get("/api/sandbox")
-    async def list_sandboxes(labels: str | None = None) -> dict[str, Any]:
-        wanted = json.loads(labels) if labels else {}
-        items = [state.sandbox_dto(r) for r in state.sandboxes.values()
-                 if all((r.body.get("labels") or {}).get(k) == v for k, v in wanted.items())]
-        return {"items": items, "nextCursor": None}
+    async def list_sandboxes(labels: str | None = None, cursor: str | None = None,
+                             limit: int = LIST_PAGE_SIZE) -> Response:
+        # As Daytona: `labels` a JSON object every match carries, newest first, pages of
+        # `limit` with an opaque `nextCursor` (null on the last page).
+        try:
+            wanted = json.loads(labels) if labels else {}
+            start = int(cursor) if cursor else 0
+        except ValueError:
+            return error(400, "labels must be a JSON object and cursor one this server gave")
+        if not isinstance(wanted, dict) or not 1 <= limit <= 200:
+            return error(400, "labels must be a JSON object; limit in [1, 200]")
+        matches = [r for r in reversed(state.sandboxes.values())
+                   if all((r.body.get("labels") or {}).get(k) == v for k, v in wanted.items())]
+        page = matches[start:start + limit]
+        state.counts["list_requests"] += 1
+        more = start + limit < len(matches)
+        return JSONResponse({"items": [state.sandbox_dto(r) for r in page],
+                             "nextCursor": str(start + limit) if more else None})
+
+    @app.put("/api/sandbox/{sandbox_id}/labels")
+    async def replace_labels(sandbox_id: str, body: dict[str, Any]) -> Response:
+        record = record_of(sandbox_id)
+        if record is None:
+            return error(404, f"sandbox {sandbox_id} not found")
+        labels = body.get("labels")
+        if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+            return error(400, "labels must be an object of strings")
+        record.body["labels"] = dict(labels)
+        state.counts["label_updates"] += 1
+        return JSONResponse({"labels": record.body["labels"]})
 
     @app.delete("/api/sandbox/{sandbox_id}")
     async def delete_sandbox(sandbox_id: str) -> Response:
@@ -227,7 +256,9 @@ def build_app(state: DaytonaStandIn) -> FastAPI:
     async def test_state() -> dict[str, Any]:
         return {**state.counts, "sandboxes": len(state.sandboxes),
                 "local_sandboxes": state.provider.stats()["sandboxes_alive"],
-                "snapshots": sorted(state.snapshots), "created_labels": state.created_labels}
+                "snapshots": sorted(state.snapshots), "created_labels": state.created_labels,
+                "live_labels": {r.id: r.body.get("labels") or {}
+                                for r in state.sandboxes.values()}}
 
     app.include_router(toolbox_routes(state), prefix="/toolbox")
     return app

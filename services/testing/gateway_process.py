@@ -22,9 +22,10 @@ from pathlib import Path
 from services._proto.riptide.v1 import common_pb2
 from services.common import event_loop
 from services.common.tiny_model import build_tokenizer
+from services.sandbox.engine_model_client import EngineModelClient
 from services.sandbox.gateway.server import AgentGateway
 from services.sandbox.gateway.session import SessionLimits
-from services.sandbox.model_client import RouterModelClient
+from services.sandbox.model_client import ModelClient, RouterModelClient
 from services.testing.child_server import ChildServer
 
 
@@ -34,12 +35,14 @@ class GatewayProcess(ChildServer):
     name = "gateway"
 
     def __init__(self, router_address: str, grpc_token: str | None, num_sessions: int,
-                 event_loop: str = "asyncio", start_timeout_s: float = 60.0) -> None:
+                 event_loop: str = "asyncio", router_http: str = "",
+                 start_timeout_s: float = 60.0) -> None:
         keys_file = Path(tempfile.mkdtemp(prefix="riptide-gateway-keys-")) / "keys.json"
         env = {**os.environ, "RIPTIDE_GRPC_TOKEN": grpc_token or ""}
         super().__init__([sys.executable, "-m", "services.testing.gateway_process",
                           "--router", router_address, "--sessions", str(num_sessions),
-                          "--keys-file", str(keys_file), "--event-loop", event_loop],
+                          "--keys-file", str(keys_file), "--event-loop", event_loop,
+                          "--router-http", router_http],
                          start_timeout_s, env)
         self.keys: dict[str, str] = json.loads(keys_file.read_text())
         keys_file.unlink()
@@ -49,7 +52,11 @@ class GatewayProcess(ChildServer):
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    model = RouterModelClient(args.router, os.environ.get("RIPTIDE_GRPC_TOKEN") or None)
+    model: ModelClient
+    if args.router_http:
+        model = EngineModelClient(args.router_http, routed=True)
+    else:
+        model = RouterModelClient(args.router, os.environ.get("RIPTIDE_GRPC_TOKEN") or None)
     gateway = AgentGateway(model, build_tokenizer(), "riptide", "127.0.0.1", 0)
     await gateway.start()
     limits = SessionLimits(max_calls=1 << 30, max_context_tokens=1 << 20, max_new_tokens=16,
@@ -69,6 +76,8 @@ async def _serve(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--router", required=True)
+    p.add_argument("--router-http", default="", help="the router's HTTP front (http://...): "
+                   "the gateway's transport where one is served, else gRPC to --router")
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--keys-file", required=True)
     p.add_argument("--ready-file", required=True)

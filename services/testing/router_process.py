@@ -142,9 +142,11 @@ class RouterProcess:
 
 @contextlib.contextmanager
 def router_with_engine(grpc_token: str | None = None,
+                       engine_settings: dict[str, Any] | None = None,
                        **settings: Any) -> Iterator[tuple[RouterProcess, SimEngineProcess]]:
-    """A router process with one fast simulated engine registered; both stopped after."""
-    engine = SimEngineProcess(decode_s_per_token=0.0005)
+    """A router process with one fast simulated engine (of `engine_settings`) registered;
+    both stopped after."""
+    engine = SimEngineProcess(**{"decode_s_per_token": 0.0005, **(engine_settings or {})})
     try:
         router = RouterProcess(grpc_token=grpc_token, **settings)
         try:

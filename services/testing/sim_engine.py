@@ -64,15 +64,24 @@ class SimEngine:
         self.fail_health = False
         self.fail_status = 0
         self.fail_count = 0
+        self.context_len = 0  # 0: no limit; else prompts this long are refused (HTTP 400)
         self.running = asyncio.Event()
         self.running.set()
         self.abort_epoch = 0
         self._next_rank = 0
         self.last_request: dict[str, Any] = {}
         self.port = 0  # set once bound; meta_info names it (which engine served a routed call)
+        self.served = dict(self.routes)
+        if args.contract == "current":  # SGLang 0.5.23's info routes; it keeps the old aliases
+            self.served.update({"/model_info": SimEngine.model_info,
+                                "/server_info": SimEngine.server_info})
+        loads = {"/get_load": SimEngine.get_load, "/v1/loads": SimEngine.v1_loads}
+        self.served.pop("/get_load")
+        for path in filter(None, args.load_routes.split(",")):
+            self.served[path] = loads[path]
 
     async def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
-        route = self.routes.get(path)
+        route = self.served.get(path)
         if route is None:
             return _error(404, f"no route {method} {path}")
         return await route(self, body or {})
@@ -84,7 +93,8 @@ class SimEngine:
         return 200, {
             "model_path": "sim", "tp_size": 1, "dp_size": self.args.dp_size,
             "enable_dp_attention": self.args.dp_size > 1 and not self.args.no_dp_attention,
-            "max_total_num_tokens": self.args.cache_tokens, "max_req_input_len": 1 << 20,
+            "max_total_num_tokens": self.args.cache_tokens,
+            "max_req_input_len": self.args.max_input_tokens,
             "max_running_requests": self.args.max_running or None,
             "internal_states": [{"dp_rank": i} for i in range(self.args.dp_size)],
             "version": "sim",
@@ -106,6 +116,16 @@ class SimEngine:
     async def get_load(self, body: dict[str, Any]) -> tuple[int, Any]:
         return 200, [{"dp_rank": i, "num_reqs": r.num_running, "num_waiting_reqs": r.num_waiting,
                       "num_tokens": r.num_tokens} for i, r in enumerate(self.ranks)]
+
+    async def v1_loads(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """SGLang 0.5.23's shape: running and waiting apart, KV tokens as num_used_tokens."""
+        return 200, {"timestamp": time.time(), "version": "sim",
+                     "dp_rank_count": len(self.ranks), "loads": [
+                         {"dp_rank": i, "num_running_reqs": r.num_running,
+                          "num_waiting_reqs": r.num_waiting, "num_used_tokens": r.num_tokens,
+                          "max_total_num_tokens": self.args.cache_tokens,
+                          "token_usage": r.num_tokens / self.args.cache_tokens}
+                         for i, r in enumerate(self.ranks)]}
 
     async def flush_cache(self, body: dict[str, Any]) -> tuple[int, Any]:
         if any(r.num_running for r in self.ranks):
@@ -130,7 +150,9 @@ class SimEngine:
         self.fail_health = bool(body.get("fail_health", self.fail_health))
         self.fail_status = int(body.get("fail_generate_status", self.fail_status))
         self.fail_count = int(body.get("fail_generate_count", -1 if self.fail_status else 0))
-        return 200, {"fail_health": self.fail_health, "fail_generate_status": self.fail_status}
+        self.context_len = int(body.get("context_len", self.context_len))
+        return 200, {"fail_health": self.fail_health, "fail_generate_status": self.fail_status,
+                     "context_len": self.context_len}
 
     async def get_last_request(self, body: dict[str, Any]) -> tuple[int, Any]:
         """The body of the last /generate call, as it arrived (tests check pass-through)."""
@@ -170,6 +192,9 @@ class SimEngine:
             ids = list(body["text"].encode())  # no tokenizer: one id per byte
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             return _error(400, "input_ids must be a non-empty list of token ids")
+        if self.context_len and len(ids) >= self.context_len:  # SGLang's own words
+            return _error(400, f"The input ({len(ids)} tokens) is longer than the model's "
+                               f"context length ({self.context_len} tokens).")
         rank_id = self._pick_rank(body)
         if rank_id is None:
             return _error(400, f"routed_dp_rank out of range (dp_size={len(self.ranks)})")
@@ -277,6 +302,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-slowdown", type=float, default=0.0,
                    help="per-token latency grows by this fraction per other running request")
     p.add_argument("--weight-version", default="0")
+    p.add_argument("--max-input-tokens", type=int, default=1 << 20,
+                   help="the longest prompt it takes (server info's max_req_input_len)")
+    p.add_argument("--contract", choices=("deprecated", "current"), default="deprecated",
+                   help="info routes: /get_model_info and /get_server_info only, or also "
+                   "0.5.23's /model_info and /server_info")
+    p.add_argument("--load-routes", default="/get_load",
+                   help="comma-separated load routes it serves, of /v1/loads and /get_load "
+                   "(empty: none)")
     p.add_argument("--vocab-size", type=int, default=32000)
     return p.parse_args(argv)
 

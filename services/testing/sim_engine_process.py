@@ -23,20 +23,23 @@ class SimEngineProcess(ChildServer):
     def __init__(self, *, dp_size: int = 1, cache_tokens: int = 65536,
                  prefill_s_per_token: float = 2e-6, decode_s_per_token: float = 2e-4,
                  batch_slowdown: float = 0.0, max_running: int = 0, weight_version: str = "0",
-                 dp_attention: bool = True, port: int = 0,
+                 dp_attention: bool = True, port: int = 0, max_input_tokens: int = 1 << 20,
+                 contract: str = "deprecated", load_routes: str = "/get_load",
                  start_timeout_s: float = 15.0) -> None:
         cmd = [sys.executable, "-m", "services.testing.sim_engine", "--port", str(port),
                "--dp-size", str(dp_size), "--cache-tokens", str(cache_tokens),
                "--prefill-s-per-token", str(prefill_s_per_token),
                "--decode-s-per-token", str(decode_s_per_token),
                "--batch-slowdown", str(batch_slowdown), "--max-running", str(max_running),
-               "--weight-version", weight_version]
+               "--weight-version", weight_version, "--max-input-tokens", str(max_input_tokens),
+               "--contract", contract, f"--load-routes={load_routes}"]
         if not dp_attention:
             cmd.append("--no-dp-attention")
         super().__init__(cmd, start_timeout_s)
 
     def control(self, **settings: Any) -> dict[str, Any]:
-        """POST /sim/control: fail_health, fail_generate_status, fail_generate_count."""
+        """POST /sim/control: fail_health, fail_generate_status, fail_generate_count,
+        context_len (prompts of at least that many tokens are refused as SGLang does; 0: off)."""
         return dict(httpx.post(f"{self.url}/sim/control", json=settings, timeout=5).json())
 
     def last_request(self) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.no_verdict import CAUSE_NAMES
+
 T0 = 1_750_000_000.0
 
 
@@ -41,6 +43,7 @@ class SyntheticRun:
     stale_drop_fraction: float = 0.0
     stale_length_factor: float = 1.0  # response length of stale-dropped episodes vs others
     live_snapshots: bool = False  # the sandbox services publish `sandbox.live` at the end
+    no_load_signal_engines: int = 0  # the last engines: the router reads no load from them
     entries: list[tuple[str, dict[str, Any]]] = field(default_factory=list, repr=False)
 
     def generate(self) -> list[tuple[str, dict[str, Any]]]:
@@ -62,14 +65,18 @@ class SyntheticRun:
         """A service that stopped reporting long ago (its rows are stale), then the live one
         listing the sandboxes never deleted."""
         self._event("sandbox.live", "sandbox", t - 600, t - 600, "gone:1", None,
-                    instance="gone:1", heartbeat_s=10.0, sandboxes=[
+                    instance="gone:1", heartbeat_s=10.0, incarnation="a1",
+                    service_instance="host:8053", num_alive=1, num_leased=1, num_reaped=0,
+                    num_delete_failures=0, sandboxes=[
                         {"sandbox": "sbx-gone", "task_id": "csv-revenue", "provider": "local",
                          "sample_id": "old", "group_id": "g0", "turns": 1, "state": "running",
                          "age_s": 5.0}])
         rows = [{**row, "provider": "local", "turns": 2, "state": "running",
                  "age_s": t - row["age_s"]} for row in self._undeleted]
         self._event("sandbox.live", "sandbox", t, t, "sandbox:1", None, instance="sandbox:1",
-                    heartbeat_s=10.0, sandboxes=rows)
+                    heartbeat_s=10.0, incarnation="b2", service_instance="host:8053",
+                    num_alive=len(rows), num_leased=len(rows), num_reaped=1,
+                    num_delete_failures=0, sandboxes=rows)
 
     def _event(self, kind: str, service: str, start: float, end: float | None, ident: str,
                version: int | None, **attrs: Any) -> None:
@@ -129,7 +136,9 @@ class SyntheticRun:
                 engines.append({"engine": _engine(e), "dp_rank": r, "running": running,
                                 "waiting": 0, "cached_tokens": totals[1],
                                 "prompt_tokens": totals[0], "healthy": True,
-                                "weight_version": version, "circuit": "closed"})
+                                "weight_version": version, "circuit": "closed",
+                                "load_signal": "missing" if e >= self.num_engines -
+                                self.no_load_signal_engines else "ok"})
             self._event("rollout.load", "rollout", t, t, f"load-{t:.0f}", version,
                         in_flight=in_flight, cap=self.cap, engines=engines)
             t += 1.0
@@ -181,7 +190,9 @@ class SyntheticRun:
                     sample_id=sample_id, group_id=group_id, task_id=task,
                     engine=_engine(engine), dp_rank=dp_rank, turns=2, prompt_tokens=120,
                     response_tokens=length, reward=reward, verdict=verdict,
-                    weight_versions=[version], truncated=truncated, aborted=aborted, eval=False)
+                    weight_versions=[version], truncated=truncated, aborted=aborted, eval=False,
+                    no_verdict_cause=None if verdict == "scored"
+                    else CAUSE_NAMES[1 + (step + index) % (len(CAUSE_NAMES) - 1)])
         text = [chr(97 + (i % 26)) for i in range(12)]
         self.entries.append(("episodes", {
             "sample_id": sample_id, "group_id": group_id, "task_id": task, "reward": reward,

@@ -84,6 +84,32 @@ def test_up_serves_all_services_and_ctrl_c_leaves_nothing(tmp_path: Path) -> Non
         process.stop(up)
 
 
+#: Starts `riptide up` with SIGINT ignored, as a shell starts a background job (`riptide up &`):
+#: an ignored signal stays ignored across exec.
+_AS_BACKGROUND_JOB = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def test_up_started_with_sigint_ignored_still_stops_on_it(tmp_path: Path) -> None:
+    log = tmp_path / "up.log"
+    up = process.spawn([sys.executable, "-c", _AS_BACKGROUND_JOB, "-m", "services.cli", "up",
+                        "--dir", str(tmp_path / "stack")], log_path=log)
+    try:
+        _wait_for_line(log, "all services ready", up, timeout_s=240)
+        status = Path(f"/proc/{up.pid}/status").read_text()
+        ignored = int(next(line for line in status.splitlines()
+                           if line.startswith("SigIgn:")).split()[1], 16)
+        assert not ignored & (1 << (signal.SIGINT - 1)), "riptide up left SIGINT ignored"
+        children = descendants(up.pid)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(120) == 130
+        time.sleep(0.5)
+        assert alive(children) == set(), "processes left behind after SIGINT"
+        assert "[up] stopping" in log.read_text() and "[up] stopped" in log.read_text()
+    finally:
+        process.stop(up)
+
+
 def _engines_need_their_key(config: object, token: dict[str, str], up_pid: int) -> None:
     """The fleet's engine answers only the stack's generated key (SGLang's 401 otherwise),
     and no process has it, or any other secret, on its command line."""
@@ -144,15 +170,24 @@ def test_up_with_steps_trains_syncs_and_summarizes(tmp_path: Path) -> None:
     summary_line = next(line for line in log.read_text().splitlines()
                         if line.startswith('{"riptide_up_summary"'))
     summary = json.loads(summary_line)["riptide_up_summary"]
-    assert summary["steps"] >= 2 and summary["weight_version"] >= 2
-    assert summary["groups_trained"] >= 4  # rollout_batch_size 2 per step
+    # The counts match the disk: 2 steps trained, checkpointed and synced, none beyond.
+    assert summary["steps"] == summary["checkpoint_step"] == 2
+    assert summary["weight_version"] == 2
+    assert summary["groups_trained"] == 4  # rollout_batch_size 2 per step
+    assert _checkpoint_steps(run_dir)[-1] == 2
     # Engine and trainer log-probs agree after each sync (same weights on both sides).
     assert summary["mismatch_kl_last_step"] < 1e-3
     assert summary["prefix_cache_hit_rate"] > 0.5
     time.sleep(0.5)
     assert alive(children) == set(), "processes left behind after the run ended"
     steps = _check_progress_and_events(log.read_text(), run_dir / "events.jsonl")
+    assert steps == [1, 2]
     _check_tensorboard(tensorboard_dir, steps)
+
+
+def _checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").iterdir()
+                  if p.name.startswith("step-"))
 
 
 def _check_tensorboard(logdir: Path, steps: list[int]) -> None:
@@ -178,7 +213,6 @@ def _check_progress_and_events(text: str, saved: Path) -> list[int]:
     from services.common.events import load_episodes, load_events
 
     lines = [line for line in text.splitlines() if line.startswith("[step ")]
-    # A fast trainer may finish a step beyond --steps before `up` sees the target reached.
     steps = [int(line.split("]")[0].removeprefix("[step ")) for line in lines]
     assert steps[:2] == [1, 2] and steps == list(range(1, len(steps) + 1)), text[-3000:]
     assert all("idle " in line and "cache hit " in line and "staleness " in line
@@ -186,6 +220,9 @@ def _check_progress_and_events(text: str, saved: Path) -> list[int]:
     assert "ETA " in lines[1]
     events = load_events(saved)
     assert RUN_KINDS <= {e.kind for e in events}, sorted({e.kind for e in events})
+    # The events count what the progress lines count: no step or sync after the last one.
+    assert [e.attrs["step"] for e in events if e.kind == "trainer.step"] == steps
+    assert max(int(e.id) for e in events if e.kind == "trainer.weight_sync") == steps[-1]
     loads = [e for e in events if e.kind == "rollout.load" and e.attrs["engines"]]
     assert any(r["cached_tokens"] > 0 for e in loads for r in e.attrs["engines"])
     episode = next(e for e in events if e.kind == "rollout.episode")
@@ -250,6 +287,7 @@ def test_up_twice_in_one_dir_resumes_the_run(tmp_path: Path) -> None:
     assert step >= 1
     summary = json.loads(next(line for line in second.splitlines()
                               if line.startswith('{"riptide_up_summary"')))["riptide_up_summary"]
-    assert summary["steps"] >= step + 1
+    assert summary["steps"] == summary["checkpoint_step"] == step + 1
+    assert _checkpoint_steps(run_dir)[-1] == step + 1
     assert summary["weight_version"] > step  # the resume pushed a version never used before
     assert "died" not in second  # nothing crashed on the way

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from services._proto.riptide.v1 import common_pb2
+from services.sandbox.engine_model_client import EngineModelClient
 from services.sandbox.gateway.server import AgentGateway
 from services.sandbox.gateway.session import SessionLimits
 from services.sandbox.model_client import RouterModelClient
@@ -26,18 +27,21 @@ GREEDY = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=8)
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[EngineProcess, RouterProcess]]:
     with EngineProcess(tiny_model_path()) as engine, \
-            RouterProcess(grpc_token="gateway-test-token") as router:
+            RouterProcess(grpc_token="gateway-test-token", http_front=True) as router:
         router.register(engine.url)
         yield engine, router
 
 
-def run_with_gateway(router: RouterProcess, scenario: Any) -> Any:
+def run_with_gateway(router: RouterProcess, scenario: Any, transport: str = "http") -> Any:
+    """`scenario(gateway)` on a gateway that reaches the router by its HTTP front (as where
+    the deployment serves one) or by gRPC's Router.Generate."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
 
     async def main() -> Any:
-        model = RouterModelClient(router.address, router.grpc_token)
+        model: Any = (EngineModelClient(router.http_url, routed=True) if transport == "http"
+                      else RouterModelClient(router.address, router.grpc_token))
         gateway = AgentGateway(model, tokenizer, "riptide", "127.0.0.1", 0)
         await gateway.start()
         try:
@@ -70,8 +74,9 @@ def generated_runs(segment: TokenTrace) -> list[tuple[int, int]]:
     return runs
 
 
+@pytest.mark.parametrize("transport", ["http", "grpc"])
 def test_a_multi_turn_chat_records_exactly_what_the_engine_saw_and_sampled(
-        stack: tuple[EngineProcess, RouterProcess]) -> None:
+        stack: tuple[EngineProcess, RouterProcess], transport: str) -> None:
     engine, router = stack
 
     async def scenario(gateway: AgentGateway) -> Any:
@@ -92,7 +97,7 @@ def test_a_multi_turn_chat_records_exactly_what_the_engine_saw_and_sampled(
         gateway.close("ep-chat")
         return models, session, chunks
 
-    models, session, chunks = run_with_gateway(router, scenario)
+    models, session, chunks = run_with_gateway(router, scenario, transport)
     assert [m.id for m in models.data] == ["riptide"]
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")

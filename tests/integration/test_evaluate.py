@@ -76,3 +76,30 @@ def test_riptide_eval_prints_per_task_and_mean_success(tmp_path: Path) -> None:
 def test_riptide_eval_names_a_bad_folder(tmp_path: Path) -> None:
     result = _riptide("--tasks", str(tmp_path), tmp=tmp_path)
     assert result.returncode == 2 and "no task directories" in result.stderr
+
+
+@pytest.mark.slow
+def test_riptide_eval_run_scores_the_way_the_run_did(tmp_path: Path) -> None:
+    """`--run DIR`: the run's held-out tasks, agent, sampling and engine arguments; a flag
+    overrides one of them."""
+    from services.common.config import dump_config
+    from services.local_stack import ensure_tiny_model, local_config
+
+    run = tmp_path / "run"
+    ensure_tiny_model(run)
+    config = local_config(run, {
+        "rollout": {"eval": {"task_ids": ["last-line", "count-items"], "greedy": True},
+                    "scheduler": {"max_new_tokens": 8},
+                    "fleet": {"builtin_args": ["--dtype", "float32", "--num-threads", "1"]}},
+        "sandbox": {"tasks_dir": str(REPO / "tasks" / "starter" / "heldout"),
+                    "agent": {"max_turns": 2, "protocol": "markdown_bash"}}})
+    (run / "config.toml").write_text(dump_config(config))
+    result = _riptide("--run", str(run), "--max-turns", "1", tmp=tmp_path / "work")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["checkpoint"] == str(run / "model")  # no checkpoint yet: the run's model
+    assert report["run"] == {"dir": str(run), "checkpoint_step": 0}
+    assert set(report["tasks"]) == {"last-line", "count-items"} and report["greedy"] is True
+    assert report["engine_args"] == ["--dtype", "float32", "--num-threads", "1"]
+    assert (report["max_new_tokens"], report["max_turns"]) == (8, 1)
+    assert report["protocol"] == "markdown_bash"

@@ -93,9 +93,14 @@ def test_step_progress_prints_a_line_per_new_step_with_cache_hit_and_eta(
             "step": step, "reward_mean": 0.25, "success_rate": 0.5, "groups": 2,
             "idle_fraction": 0.4, "staleness": [0, 1, 1, 2]})
     trainer.close(timeout_s=10.0)
+    evaluation = EventPublisher(redis_url, "live", "rollout", EventsConfig())
+    evaluation.publish("rollout.eval", id="2", start=20.0, end=50.0, weight_version=2, attrs={
+        "weight_version": 2, "mean_success": 0.5, "per_task": {"b-task": 1.0, "a-task": 0.0}})
+    evaluation.close(timeout_s=10.0)
     lines = progress.poll()
     progress.close()
-    assert [line.split("]")[0] for line in lines] == ["[step 1", "[step 2"]
+    assert [line.split("]")[0] for line in lines] == ["[step 1", "[step 2", "[eval v2"]
+    assert lines[2] == "[eval v2]  success 50%  tasks 2  solved b-task  took 30s"
     assert "reward 0.250" in lines[0] and "groups 2" in lines[0] and "idle 40%" in lines[0]
     assert "cache hit 60%" in lines[0] and "staleness 1.00 (max 2)" in lines[0]
     assert "ETA" not in lines[0] and "ETA " in lines[1]

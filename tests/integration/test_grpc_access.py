@@ -6,6 +6,7 @@ which handlers ran; the real router shows that out-of-range calls change nothing
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -167,9 +168,14 @@ def test_non_finite_numbers_anywhere_in_a_message_are_refused(probe: ProbeProces
     assert _calls(probe) == before
 
 
+#: The longest prompt the router's engine takes (its server info's max_req_input_len).
+PROMPT_CAP = 4096
+
+
 @pytest.fixture(scope="module")
 def router() -> Iterator[tuple[RouterProcess, SimEngineProcess]]:
-    with router_with_engine(grpc_token=TOKEN, wait_for_target_s=2.0) as running:
+    with router_with_engine(grpc_token=TOKEN, engine_settings={"max_input_tokens": PROMPT_CAP},
+                            wait_for_target_s=2.0) as running:
         yield running
 
 
@@ -196,6 +202,16 @@ def test_router_refuses_out_of_range_calls_and_keeps_serving(
             top_p=5))),
         ("Generate", router_pb2.GenerateRequest(input_ids=[1], sampling_params=sampling(
             top_k=-7))),
+        # what an operator's probe found accepted
+        ("Generate", router_pb2.GenerateRequest(session_key="k" * 1_000_000, input_ids=[1])),
+        ("Generate", router_pb2.GenerateRequest(session_key="a\nb", input_ids=[1])),
+        ("Generate", router_pb2.GenerateRequest(request_id="r" * 100_000, input_ids=[1])),
+        ("Generate", router_pb2.GenerateRequest(
+            input_ids=[1], sglang_fields_json='{"lora_path": "' + "x" * 1_000_000 + '"}')),
+        ("Generate", router_pb2.GenerateRequest(input_ids=[1], sampling_params=sampling(
+            max_new_tokens=0))),
+        ("Generate", router_pb2.GenerateRequest(input_ids=[1] * (PROMPT_CAP + 1))),
+        ("EndSession", router_pb2.EndSessionRequest(session_key="k" * 1_000_000)),
     ]
     for name, request in bad:
         with pytest.raises(grpc.RpcError) as rejected:
@@ -209,6 +225,36 @@ def test_router_refuses_out_of_range_calls_and_keeps_serving(
     assert _status(proc) == before  # nothing changed
     reply = proc.generate("after-bad-input", [1, 2, 3], max_new_tokens=4, timeout_s=20)
     assert len(reply.output_ids) == 4 and reply.engine_url == engine.url
+
+
+def test_router_refuses_a_huge_prompt_at_once_and_unset_max_new_tokens_is_the_default(
+        router: tuple[RouterProcess, SimEngineProcess]) -> None:
+    """A prompt past the engines' context is refused before routing, with a message that
+    quotes no token; an unset max_new_tokens is the engine's default (the sim's 128), an
+    explicit one is what is generated."""
+    proc, engine = router
+    stub = proc.stub()
+    huge = router_pb2.GenerateRequest(session_key="huge", input_ids=[7] * 5_000_000)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as rejected:
+        stub.Generate(huge, timeout=30)
+    took = time.monotonic() - started
+    assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rejected.value.details() == (
+        f"input_ids: 5000000 tokens, more than the model's context takes ({PROMPT_CAP} "
+        "prompt tokens at most, as the engines report)")
+    assert took < 5.0, took
+    assert stub.Generate(router_pb2.GenerateRequest(session_key="fits", input_ids=[7] * PROMPT_CAP,
+                                                    sampling_params=common_pb2.SamplingParams(
+                                                        max_new_tokens=1)), timeout=30).output_ids
+    unset = stub.Generate(router_pb2.GenerateRequest(session_key="unset", input_ids=[3]),
+                          timeout=30)
+    assert len(unset.output_ids) == 128
+    assert "max_new_tokens" not in engine.last_request()["sampling_params"]
+    one = stub.Generate(router_pb2.GenerateRequest(
+        session_key="one", input_ids=[3], sampling_params=common_pb2.SamplingParams(
+            max_new_tokens=1)), timeout=30)
+    assert len(one.output_ids) == 1
 
 
 def test_router_mutations_without_the_token_change_nothing(

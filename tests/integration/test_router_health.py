@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from services._proto.riptide.v1 import router_pb2
+from services._proto.riptide.v1 import common_pb2, router_pb2
 from services.common.ports import free_port
 from services.testing.router_process import RouterProcess
 from services.testing.sim_engine_process import SimEngineProcess, start_sim_engines
@@ -170,3 +170,37 @@ def test_an_ejected_engine_that_is_back_is_readmitted_between_health_rounds(
         back = time.monotonic()
         wait_for(lambda: target_of(router, sick.url)["routable"], timeout_s=10)
         assert time.monotonic() - back < 2.0
+
+
+def test_load_falls_back_per_route_and_a_missing_load_signal_is_reported() -> None:
+    """Both engines speak the current info routes (/model_info, /server_info); one serves its
+    load only on /get_load, the other on no route at all. The first is polled on /get_load
+    (its queued tokens reach the router while a call runs); the second shows up as "no load
+    signal" in the admin state, GetStatus and the metrics, and still takes calls."""
+    with SimEngineProcess(contract="current", load_routes="/get_load",
+                          decode_s_per_token=0.05) as polled, \
+            SimEngineProcess(contract="current", load_routes="") as silent, \
+            RouterProcess(engine_urls=[polled.url, silent.url], policy="manual",
+                          **FAST_HEALTH) as router:
+        wait_for(lambda: target_of(router, silent.url)["load_signal"] == "missing")
+        assert target_of(router, polled.url)["load_signal"] == "ok"
+        assert router.state()["no_load_signal"] == [silent.url]
+        status = router.stub().GetStatus(common_pb2.StatusRequest(), timeout=10)
+        assert list(status.details["no_load_signal"]) == [silent.url]
+        metrics = router.admin.get("/metrics").text
+        assert f'riptide_router_load_signal{{engine="{silent.url}"}} 0.0' in metrics
+        assert f'riptide_router_load_signal{{engine="{polled.url}"}} 1.0' in metrics
+        assert f'riptide_router_load_read_failures_total{{engine="{silent.url}"}}' in metrics
+        assert "engine sends no load signal" in router.log_tail()
+        # the silent engine still serves; the polled one's load is read while a call runs there
+        served = {router.generate(f"both-{i}", ids(20), max_new_tokens=2).engine_url
+                  for i in range(8)}
+        assert served == {polled.url, silent.url}
+        # the manual policy keeps a key where its first call went: find one on `polled`
+        key = next(f"slow-{i}" for i in range(64)
+                   if router.generate(f"slow-{i}", ids(5), max_new_tokens=1).engine_url
+                   == polled.url)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(router.generate, key, ids(300), 60)
+            wait_for(lambda: target_of(router, polled.url)["reported_tokens"] == 300)
+            assert running.result().engine_url == polled.url

@@ -106,6 +106,29 @@ def test_info_routes_and_precise_errors(router: RouterProcess) -> None:
     assert ended.json() == {"known": True}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_oversized_keys_and_prompts_are_refused_before_routing(
+        router: RouterProcess, stream: bool) -> None:
+    """The same bounds as gRPC Generate: a session key of at most 256 printable characters
+    from any source, and no prompt longer than the engines' max_req_input_len (the sim's
+    2^20), refused at once with 400 and a message that quotes a prefix at most."""
+    base, body = router.http_url, {"input_ids": [1, 2], "stream": stream}
+    for headers, extra in (({"X-SMG-Routing-Key": "k" * 10_000}, {}),
+                           ({"X-Session-ID": "k" * 300}, {}),
+                           ({}, {"routing_key": "k" * 100_000})):
+        refused = httpx.post(f"{base}/generate", json={**body, **extra}, headers=headers)
+        assert refused.status_code == 400, refused.text[:200]
+        assert "session key: at most 256 printable characters" in refused.json()["message"]
+        assert len(refused.text) < 400
+    huge = {**body, "input_ids": [5] * ((1 << 20) + 1)}
+    refused = httpx.post(f"{base}/generate", json=huge, timeout=30)
+    assert refused.status_code == 400 and refused.json()["message"] == (
+        "input_ids: 1048577 tokens, more than the model's context takes (1048576 prompt "
+        "tokens at most, as the engines report)")
+    long_end = httpx.post(f"{base}/end_session", json={"session_key": "k" * 5000})
+    assert long_end.status_code == 400 and len(long_end.text) < 400
+
+
 def test_front_wants_the_api_key_where_one_is_set(engines: list[SimEngineProcess]) -> None:
     key = "front-key-1234"
     with RouterProcess(engine_urls=[e.url for e in engines], http_front=True,

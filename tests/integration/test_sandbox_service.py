@@ -157,7 +157,13 @@ def test_out_of_range_episode_requests_are_invalid_arguments(
            sandbox_pb2.RunEpisodeRequest(task_id=task, sample_id="s",
                                          sampling_params=sampling(temperature=-1)),
            sandbox_pb2.RunEpisodeRequest(task_id=task, sample_id="s",
-                                         sampling_params=sampling(top_p=7))]
+                                         sampling_params=sampling(top_p=7)),
+           # what an operator's probe found accepted: 2^32-1 new tokens (past the agent's
+           # context cap) and an explicit 0 (read as unset before it was optional)
+           sandbox_pb2.RunEpisodeRequest(task_id=task, sample_id="s",
+                                         sampling_params=sampling(max_new_tokens=2**32 - 1)),
+           sandbox_pb2.RunEpisodeRequest(task_id=task, sample_id="s",
+                                         sampling_params=sampling(max_new_tokens=0))]
     with grpc.insecure_channel(str(service["grpc"])) as channel:
         stub = sandbox_pb2_grpc.SandboxStub(channel)
         for request in bad:

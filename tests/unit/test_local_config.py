@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from services.cli import main as cli_main
 from services.common.config import deep_merge, override_tree
 from services.common.errors import ConfigError
 from services.deployment import validate_config
-from services.local_stack import local_config, run_up
+from services.local_stack import local_config
 
 
 def test_deep_merge_keeps_siblings_at_every_depth() -> None:
@@ -39,9 +40,12 @@ def test_up_set_overrides_become_nested_tables(tmp_path: Path) -> None:
         override_tree(["sandbox.agent.harness"])
 
 
-def test_up_set_with_a_given_config_says_to_edit_the_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="with --config, edit that file"):
-        run_up(tmp_path, tmp_path / "mine.toml", 1, overrides=["sandbox.agent.max_turns=5"])
+def test_up_set_with_a_given_config_says_to_edit_the_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli_main(["up", "--dir", str(tmp_path), "--config", str(tmp_path / "mine.toml"),
+                     "--set", "sandbox.agent.max_turns=5"])
+    assert code == 2 and "with --config, edit that file" in capsys.readouterr().err
+    assert not (tmp_path / "config.toml").exists()  # refused before anything was written
 
 
 def test_nested_overrides_keep_the_local_settings(tmp_path: Path) -> None:

@@ -242,8 +242,26 @@ def trainer_idle(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
     return []
 
 
+def no_load_signal(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:
+    """Engines the router, in the newest load reading of the window, reports without a load
+    signal: min_load sees only the router's own in-flight calls there."""
+    loads = _recent_loads(record, cfg)
+    if not loads:
+        return []
+    silent = sorted({str(r.get("engine")) for r in loads[-1].attrs.get("engines", [])
+                     if r.get("load_signal") == "missing"})
+    if not silent:
+        return []
+    return [_advice("no_load_signal",
+                    f"the router gets no load signal from {len(silent)} engine(s): "
+                    f"{', '.join(silent[:4])}{' ...' if len(silent) > 4 else ''}; neither "
+                    "/v1/loads nor /get_load answers, so it balances them by its own in-flight "
+                    "calls alone (queues and KV use it cannot see); check the engines' "
+                    "version and the router's log", "window_s")]
+
+
 RULES = (low_concurrency, imbalance, low_cache_hits, stalls, no_verdicts, zero_variance,
-         truncations, aborts, stale_length_bias, trainer_idle)
+         truncations, aborts, stale_length_bias, trainer_idle, no_load_signal)
 
 
 def advise(record: RunRecord, cfg: AdvisoryConfig) -> list[Advisory]:

@@ -103,6 +103,24 @@ def live_sandboxes(record: RunRecord) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: -row["age_s"])
 
 
+def sandbox_lifecycle(record: RunRecord) -> list[dict[str, Any]]:
+    """One row per sandbox-service process of the run, from its newest `sandbox.live`
+    snapshot: live, leased, reaped and failed deletes, and whether it still reports."""
+    newest: dict[str, Event] = {}
+    for e in record.of_kind("sandbox.live"):
+        newest[str(e.attrs.get("incarnation") or e.attrs.get("instance") or e.id)] = e
+    rows = []
+    for e in sorted(newest.values(), key=lambda e: e.start):
+        heartbeat_s = float(e.attrs.get("heartbeat_s") or 10.0)
+        rows.append({"service": e.attrs.get("service_instance") or e.attrs.get("instance"),
+                     "incarnation": e.attrs.get("incarnation", ""),
+                     "live": e.attrs.get("num_alive", e.attrs.get("num_live", 0)),
+                     "leased": e.attrs.get("num_leased"), "reaped": e.attrs.get("num_reaped"),
+                     "failed_deletes": e.attrs.get("num_delete_failures"),
+                     "reporting": record.now - e.start <= 3 * heartbeat_s})
+    return rows
+
+
 def _created_not_deleted(record: RunRecord) -> list[dict[str, Any]]:
     deleted = {_sandbox(e) for e in record.of_kind("sandbox.delete")}
     created = {_sandbox(e): e for e in record.of_kind("sandbox.create")

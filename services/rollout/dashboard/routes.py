@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from services.common.bounds import check_id
 from services.common.errors import NotFound, quote
 from services.rollout.dashboard.config import DashboardConfig
 from services.rollout.dashboard.samples import sample_view
@@ -57,6 +58,7 @@ def dashboard_router(source: EventSource, config: DashboardConfig) -> APIRouter:
     @router.get("/dashboard/api/samples/{sample_id}")
     async def api_sample(sample_id: str) -> dict[str, Any]:
         """One sample's turns, commands, observations, reward and tokens."""
+        check_id("sample_id", sample_id, required=True)
         episode = await source.episode(sample_id)
         if episode is None:
             raise NotFound(f"no episode detail kept for sample {quote(sample_id, 80)}")

@@ -45,6 +45,14 @@ def dropped_groups(record: RunRecord) -> dict[str, int]:
     return dict(counts.most_common())
 
 
+def no_verdicts_by_cause(record: RunRecord) -> dict[str, int]:
+    """Episodes without verdict by cause (services/common/no_verdict.py), most first."""
+    counts = Counter(str(e.attrs.get("no_verdict_cause") or "unspecified")
+                     for e in record.of_kind("rollout.episode")
+                     if e.attrs.get("verdict") not in ("scored", None))
+    return dict(counts.most_common())
+
+
 def evals(record: RunRecord) -> list[dict[str, Any]]:
     """Held-out evaluation results by weight version."""
     return [{"weight_version": e.attrs.get("weight_version", e.weight_version),

@@ -49,8 +49,10 @@ class AgentGateway:
     """The gateway's HTTP server and its live sessions."""
 
     def __init__(self, model: ModelClient, tokenizer: Any, model_name: str, host: str,
-                 port: int, max_body_bytes: int = 16 << 20) -> None:
+                 port: int, max_body_bytes: int = 16 << 20, owns_model: bool = False) -> None:
+        """`owns_model`: the gateway has a model client of its own, closed with it."""
         self.model = model
+        self.owns_model = owns_model
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
@@ -66,6 +68,8 @@ class AgentGateway:
 
     async def stop(self) -> None:
         await self.server.stop()
+        if self.owns_model:
+            await self.model.close()
 
     def base_url(self, episode_id: str) -> str:
         """The OpenAI base URL of an episode (ends in /v1)."""
@@ -85,8 +89,13 @@ class AgentGateway:
         return session
 
     def close(self, episode_id: str) -> GatewaySession | None:
-        """End an episode's session: its key stops working at once."""
-        return self.sessions.pop(episode_id, None)
+        """End an episode's session: its key stops working at once, and the router stops
+        counting it as live."""
+        session = self.sessions.pop(episode_id, None)
+        forget = getattr(self.model, "forget", None)
+        if session is not None and session.num_calls and forget is not None:
+            forget(episode_id)
+        return session
 
     async def handle(self, request: Request) -> Reply:
         path = request.path.split("?", 1)[0]

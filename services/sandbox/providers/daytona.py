@@ -4,7 +4,9 @@ A sandbox comes from the task's `docker_image` (terminal-bench-2 tasks ship preb
 else from `image_template` (prebuilt images of bundled tasks), else from the task's Dockerfile
 (`Image.from_dockerfile`, context uploaded by the SDK). With `use_snapshots` one snapshot is
 built per image and resource shape and reused by every later sandbox. Sandboxes carry labels
-(run, task, episode) and auto-stop / auto-delete intervals so that orphans die on their own.
+(run, instance, incarnation, task, episode, lease; leases.py) that the reaper lists them by
+and the service renews leases through (`set_labels`), and auto-stop / auto-delete intervals
+as a last resort.
 Creates retry with exponential backoff on rate limits (HTTP 429, or "limit"/"rate"/"capacity"
 errors). Commands allowed more than `session_command_min_timeout_s` run as session commands
 polled until done. Built by `make_provider` for `type = "daytona"`.
@@ -35,6 +37,7 @@ from daytona import (
     DaytonaRateLimitError,
     FileUpload,
     Image,
+    ListSandboxesQuery,
     Resources,
     SessionExecuteRequest,
 )
@@ -42,7 +45,13 @@ from daytona.common.errors import DaytonaConflictError, DaytonaTimeoutError
 
 from services.common.errors import ConfigError
 from services.sandbox.config import DaytonaProviderConfig
-from services.sandbox.provider import ExecResult, SandboxError, SandboxHandle, SandboxProvider
+from services.sandbox.provider import (
+    ExecResult,
+    ListedSandbox,
+    SandboxError,
+    SandboxHandle,
+    SandboxProvider,
+)
 from services.sandbox.task import Task
 
 T = TypeVar("T")
@@ -71,6 +80,7 @@ class DaytonaProvider(SandboxProvider):
     """Daytona sandboxes; one AsyncDaytona client per provider, made on first use."""
 
     name = "daytona"
+    supports_listing = True
 
     def __init__(self, config: DaytonaProviderConfig) -> None:
         self.config = config
@@ -81,7 +91,8 @@ class DaytonaProvider(SandboxProvider):
         self._client: AsyncDaytona | None = None
         self._sandboxes: dict[str, Any] = {}
         self._snapshots: dict[str, asyncio.Future[str]] = {}
-        self._counts = {"created": 0, "deleted": 0, "rate_limited": 0, "retries": 0,
+        self._counts = {"created": 0, "deleted": 0, "reaped": 0, "rate_limited": 0,
+                        "retries": 0,
                         "session_commands": 0, "snapshots_built": 0}
 
     @property
@@ -212,6 +223,40 @@ class DaytonaProvider(SandboxProvider):
             if not isinstance(exc.__cause__, DaytonaNotFoundError):
                 raise
         self._counts["deleted"] += 1
+
+    # -- leases and the reaper ---------------------------------------------------------
+
+    async def list_sandboxes(self, labels: Mapping[str, str]) -> list[ListedSandbox]:
+        query = ListSandboxesQuery(labels=dict(labels))
+        try:
+            return [ListedSandbox(sandbox.id, dict(sandbox.labels or {}), {"sandbox": sandbox})
+                    async for sandbox in self.client.list(
+                        query, request_timeout=self.config.request_timeout_s)]
+        except DaytonaError as exc:
+            raise SandboxError(f"Daytona list failed: {exc}") from exc
+
+    async def set_labels(self, handle: SandboxHandle, labels: Mapping[str, str]) -> None:
+        sandbox = self._get(handle)
+        merged = {**(sandbox.labels or {}), **labels}  # keeps the SDK's own labels
+        await self._with_backoff("label update", lambda: sandbox.set_labels(
+            merged, request_timeout=self.config.request_timeout_s))
+
+    async def delete_listed(self, sandbox: ListedSandbox) -> None:
+        if sandbox.sandbox_id in self._sandboxes:
+            await self.delete(SandboxHandle(sandbox.sandbox_id, "", self.name))
+            return
+        found = sandbox.info.get("sandbox")
+        try:
+            if found is None:
+                await self._with_backoff("reaper delete",
+                                         lambda: self._delete_by_id(sandbox.sandbox_id))
+            else:
+                await self._with_backoff("reaper delete", lambda: found.delete(
+                    timeout=self.config.request_timeout_s))
+        except SandboxError as exc:
+            if not isinstance(exc.__cause__, DaytonaNotFoundError):
+                raise
+        self._counts["reaped"] += 1
 
     async def close(self) -> None:
         await asyncio.gather(*(self.delete(SandboxHandle(sid, "", self.name))

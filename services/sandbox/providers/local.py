@@ -6,14 +6,19 @@ files outside the tree, and rlimits; as root each sandbox also gets a host uid o
 (providers/local_uids.py). Where the host allows, a sandbox's total memory and processes are
 capped by a cgroup of its own (providers/local_cgroups.py) and its tree is a tmpfs of the
 task's storage size; where not, a warning says so and only the per-process rlimits hold.
-Built by `make_provider` for `type = "local"`.
+A sandbox's labels (leases.py) are kept in `labels.json` beside its tree, outside what the
+sandbox sees, so the reaper of a later process lists and deletes them; a crashed process's
+unlabelled trees go when the next provider starts. Built by `make_provider` for
+`type = "local"`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import io
+import json
 import logging
 import math
 import os
@@ -21,6 +26,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -31,7 +37,13 @@ from typing import Any, Literal
 from pydantic import Field
 
 from services.common.config import StrictModel
-from services.sandbox.provider import ExecResult, SandboxError, SandboxHandle, SandboxProvider
+from services.sandbox.provider import (
+    ExecResult,
+    ListedSandbox,
+    SandboxError,
+    SandboxHandle,
+    SandboxProvider,
+)
 from services.sandbox.providers import local_tree
 from services.sandbox.providers.bwrap import Limits, SandboxRun, bwrap_argv, limit_argv
 from services.sandbox.providers.local_cgroups import CgroupHost, SandboxCgroup
@@ -94,6 +106,7 @@ class LocalProvider(SandboxProvider):
     """Bubblewrap sandboxes on this machine."""
 
     name = "local"
+    supports_listing = True
 
     def __init__(self, config: LocalProviderConfig) -> None:
         self.config = config
@@ -112,6 +125,7 @@ class LocalProvider(SandboxProvider):
         local_tree.build_skeleton(self._skeleton, self._ro_binds)
         self._uids = UidPool(config.uid_base, config.num_uids) if os.geteuid() == 0 else None
         self._sandboxes: dict[str, _Sandbox] = {}
+        self._foreign_lock = threading.Lock()
         self._plans: dict[Path, Any] = {}
         self._cpu_ids = sorted(os.sched_getaffinity(0))
         self._next_cpu = 0
@@ -228,6 +242,8 @@ class LocalProvider(SandboxProvider):
             workdir=task.workdir, created_at=time.time(),
             info={"root": str(root / "fs"), "uid": uid, "labels": dict(labels or {})},
         )
+        if labels:
+            await self._fs_op(_write_labels, root, dict(labels))
         self._sandboxes[sandbox_id] = _Sandbox(handle, root, uid, limits, env, cgroup)
         self._create_ms.append((time.monotonic() - start) * 1000)
         del self._create_ms[:-1000]
@@ -365,6 +381,32 @@ class LocalProvider(SandboxProvider):
                 self._uids.release(sandbox.uid)
             del self._sandboxes[handle.sandbox_id]
 
+    async def list_sandboxes(self, labels: Mapping[str, str]) -> list[ListedSandbox]:
+        return await asyncio.to_thread(_list_labelled, self._dir.parent, dict(labels))
+
+    async def set_labels(self, handle: SandboxHandle, labels: Mapping[str, str]) -> None:
+        sandbox = self._get(handle)
+        await self._fs_op(_write_labels, sandbox.root, dict(labels))
+
+    async def delete_listed(self, sandbox: ListedSandbox) -> None:
+        own = self._sandboxes.get(sandbox.sandbox_id)
+        if own is not None:
+            await self.delete(own.handle)
+            return
+        # Another process's: its commands died with it (bubblewrap's --die-with-parent).
+        root = Path(sandbox.info["root"])
+        await asyncio.to_thread(self._remove_foreign, root)
+
+    def _remove_foreign(self, root: Path) -> None:
+        """Delete another process's sandbox tree, then its process's directory once that
+        process is gone and no sandbox is left in it (one deleter at a time decides)."""
+        local_tree.remove_tree(root)
+        instance = root.parent
+        with self._foreign_lock:
+            if _instance_dead(instance) and not any(instance.glob("sbx-*")):
+                with contextlib.suppress(FileNotFoundError):  # another process's reaper won
+                    local_tree.remove_tree(instance)
+
     async def close(self) -> None:
         """Delete every live sandbox and this provider's directory."""
         await asyncio.gather(*(self.delete(s.handle) for s in list(self._sandboxes.values())))
@@ -417,9 +459,49 @@ def _on_tmpfs(path: Path) -> bool:
     return fstype == "tmpfs"
 
 
+_LABELS = "labels.json"
+
+
+def _write_labels(root: Path, labels: dict[str, str]) -> None:
+    """Replace a sandbox's labels atomically (a lister never reads half a file)."""
+    partial = root / f".{_LABELS}.partial"
+    partial.write_text(json.dumps(labels))
+    os.replace(partial, root / _LABELS)
+
+
+def _read_labels(root: Path) -> dict[str, str] | None:
+    try:
+        labels = json.loads((root / _LABELS).read_text())
+    except (OSError, ValueError):
+        return None
+    return labels if isinstance(labels, dict) else None
+
+
+def _list_labelled(base: Path, wanted: dict[str, str]) -> list[ListedSandbox]:
+    """Every labelled sandbox under `base` (of any provider process) carrying `wanted`."""
+    found = []
+    for root in sorted(base.glob("*/sbx-*")):
+        labels = _read_labels(root)
+        if labels is not None and all(labels.get(k) == v for k, v in wanted.items()):
+            found.append(ListedSandbox(root.name, labels, {"root": str(root)}))
+    return found
+
+
+def _instance_dead(instance: Path) -> bool:
+    pid = instance.name.split("-", 1)[0]
+    return pid.isdigit() and not Path(f"/proc/{pid}").exists()
+
+
 def _remove_dead_instances(base: Path) -> None:
-    """Remove trees left by providers whose process is gone (a crash)."""
+    """Remove what providers whose process is gone (a crash) left, except their labelled
+    sandboxes: those belong to their run, whose reaper deletes them (never another run's)."""
     for entry in base.iterdir():
-        pid = entry.name.split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if not _instance_dead(entry):
+            continue
+        kept = [root for root in entry.glob("sbx-*") if _read_labels(root) is not None]
+        if not kept:
             local_tree.remove_tree(entry)
+            continue
+        for child in entry.iterdir():
+            if child not in kept:
+                local_tree.remove_tree(child)

@@ -131,7 +131,9 @@ def test_spans_give_per_token_versions_to_router_and_trajectory() -> None:
     async def generate(session_key: str, body: dict[str, Any]) -> Any:
         return SimpleNamespace(body=reply, target=target, engine_latency_s=0.2)
 
-    servicer = RouterServicer(SimpleNamespace(generate=generate))  # type: ignore[arg-type]
+    runtime = SimpleNamespace(generate=generate,
+                              registry=SimpleNamespace(max_input_tokens=lambda: None))
+    servicer = RouterServicer(runtime)  # type: ignore[arg-type]
     request = router_pb2.GenerateRequest(session_key="s1", input_ids=[1, 2], return_logprob=True)
     routed = run(servicer.Generate(request, None))  # type: ignore[arg-type]
     assert list(routed.output_weight_versions) == [7, 7, 7, 8, 8] and routed.weight_version == 8
@@ -209,3 +211,55 @@ def test_every_call_carries_the_engines_key() -> None:
     headers.clear()
     run(go(None))
     assert headers == [None] * 3
+
+
+def test_an_engine_without_v1_loads_is_polled_on_get_load() -> None:
+    """Current info routes do not promise /v1/loads: the load falls back on its own route,
+    and the fallback is remembered (one 404 in all, then /get_load directly)."""
+    routes = {k: v for k, v in FIXTURES["current"].items() if k != "GET /v1/loads"}
+    routes["GET /get_load"] = FIXTURES["deprecated"]["GET /get_load"]
+    engines, seen = client("current")
+    seen.routes = routes
+
+    async def go() -> Any:
+        first = await engines.load(URL)
+        return first, await engines.load(URL), await engines.weight_version(URL)
+
+    first, second, version = run(go())
+    assert [(x.dp_rank, x.num_reqs, x.num_tokens) for x in first] == [(0, 4, 777)]
+    assert second == first and version == "7"
+    contract = engines.contracts[URL]
+    assert (contract.mode, contract.model_info_path, contract.load_path) == \
+        ("current", "/model_info", "/get_load")
+    loads = [path for _, path, _ in seen.seen if path in ("/v1/loads", "/get_load")]
+    assert loads == ["/v1/loads", "/v1/loads", "/get_load", "/get_load"]
+
+
+def test_an_engine_serving_no_load_route_says_so() -> None:
+    routes = {k: v for k, v in FIXTURES["current"].items() if k != "GET /v1/loads"}
+    engines, seen = client("current")
+    seen.routes = routes
+    with pytest.raises(EngineCallError) as info:
+        run(engines.load(URL))
+    assert info.value.status == 404
+    assert "serves none of /v1/loads, /get_load" in str(info.value)
+    assert engines.contracts[URL].load_path == "/v1/loads"  # nothing wrong learned
+
+
+def test_rollout_fleet_keeps_an_engine_that_serves_no_load_route() -> None:
+    """An engine that answers /health but no load route is up (the router reports its
+    missing load signal); the fleet neither marks it unreachable nor restarts it."""
+    routes = {k: v for k, v in FIXTURES["current"].items() if k != "GET /v1/loads"}
+    engines, seen = client("current")
+    seen.routes = routes
+    fleet = EngineFleet(FleetConfig(kind="attach", attach_urls=[URL], health_interval_s=60),
+                        engines, NoRouter(), weight_version=7)
+
+    async def go() -> Any:
+        await fleet.start()
+        await fleet._poll(fleet.members[0])
+        await fleet.stop()
+        return fleet.members[0]
+
+    member = run(go())
+    assert member.state == "ready" and member.load is None

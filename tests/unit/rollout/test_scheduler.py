@@ -7,6 +7,7 @@ import random
 from collections.abc import Callable
 
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2
+from services.common.errors import DeadlineExceeded, Unavailable
 from services.rollout.config import SchedulerConfig
 from services.rollout.scheduler import Scheduler
 from services.rollout.task_cycle import TaskCycle
@@ -247,6 +248,39 @@ def test_sink_failures_are_retried_and_the_group_written_once() -> None:
         await sched.stop()
         assert sched.stats.sink_errors == 2
         assert [g.group_id for g in sink.groups][:1] == ["t-g000001"]
+
+    run_virtual(main())
+
+
+def test_missing_verdicts_are_counted_by_cause_where_dropped() -> None:
+    class CausingRunner(ScriptedRunner):
+        """Group 1: one verifier timeout (the sandbox service's verdict), one call past its
+        deadline; group 2: one call that failed (the sandbox service was lost)."""
+
+        async def run(self, request: sandbox_pb2.RunEpisodeRequest) -> common_pb2.Trajectory:
+            trajectory = await super().run(request)
+            group, index = request.group_id[-1], request.sample_index
+            if (group, index) == ("1", 0):
+                return common_pb2.Trajectory(
+                    status=common_pb2.VERDICT_STATUS_NO_VERDICT,
+                    no_verdict_cause=common_pb2.NO_VERDICT_CAUSE_VERIFIER_TIMEOUT)
+            if (group, index) == ("1", 1):
+                raise DeadlineExceeded("RunEpisode ran past 600 s")
+            if (group, index) == ("2", 3):
+                raise Unavailable("RunEpisode failed: UNAVAILABLE")
+            return trajectory
+
+    async def main() -> None:
+        sched, sink = make(CausingRunner(), max_concurrent_samples=4)
+        await sched.start()
+        await asyncio.sleep(3.5)
+        await sched.stop()
+        expected = {"verifier_timeout": 1, "agent_timeout": 1, "sandbox_lost": 1}
+        assert sched.stats.no_verdict_by_cause == expected
+        assert sched.stats.dropped_no_verdict_by_cause == expected
+        assert sched.stats.dropped_groups["no_verdict"] == 2
+        state = sched.stats.as_dict(0.0)
+        assert state["no_verdict_by_cause"] == state["dropped_no_verdict_by_cause"] == expected
 
     run_virtual(main())
 

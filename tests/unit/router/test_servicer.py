@@ -53,3 +53,34 @@ def test_sglang_fields_pass_through_and_add_to_sampling_params() -> None:
 def test_bad_sglang_fields_are_rejected(fields: str) -> None:
     with pytest.raises(InvalidRequest):
         generate_body(router_pb2.GenerateRequest(input_ids=[1], sglang_fields_json=fields))
+
+
+def test_unset_max_new_tokens_is_the_engine_default_and_an_explicit_zero_is_refused() -> None:
+    assert "max_new_tokens" not in sampling_params(common_pb2.SamplingParams(temperature=1.0))
+    assert sampling_params(common_pb2.SamplingParams(max_new_tokens=1))["max_new_tokens"] == 1
+    with pytest.raises(InvalidRequest, match="max_new_tokens: 0 generates nothing"):
+        sampling_params(common_pb2.SamplingParams(max_new_tokens=0))
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"session_key": "k" * 1_000_000}, "session_key: at most 256 printable characters"),
+    ({"session_key": "tab\there"}, "session_key: at most 256 printable characters"),
+    ({"request_id": "r" * 257}, "request_id: at most 256 printable characters"),
+    ({"sglang_fields_json": '{"lora_path": "' + "a" * 70_000 + '"}'},
+     "sglang_fields_json: at most 65536 characters, got 70017"),
+    ({"input_ids": [1] * 101}, "input_ids: 101 tokens, more than the model's context takes "
+                               "(100 prompt tokens at most"),
+])
+def test_oversized_fields_are_refused_with_a_short_message(fields: dict[str, object],
+                                                           message: str) -> None:
+    request = router_pb2.GenerateRequest(**{"input_ids": [1], **fields})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest) as info:
+        generate_body(request, max_input_tokens=100)
+    assert message in str(info.value) and len(str(info.value)) < 200, str(info.value)[:300]
+
+
+def test_bounds_admit_what_fits() -> None:
+    request = router_pb2.GenerateRequest(session_key="k" * 256, request_id="r" * 256,
+                                         input_ids=[1] * 100)
+    assert len(generate_body(request, max_input_tokens=100)["input_ids"]) == 100
+    assert generate_body(router_pb2.GenerateRequest(input_ids=[1] * 5000))  # no limit known

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from services.router.registry import max_input_tokens
 from services.router.targets import Engine, Target
 
 
@@ -72,3 +73,22 @@ def test_dp_ranks_become_targets_only_with_dp_attention() -> None:
     plain = EngineRegistry._engine_from_info("http://e:1", {"dp_size": 4})
     assert not plain.dp_aware and [t.dp_rank for t in plain.targets] == [0]
     assert len(EngineRegistry._engine_from_info("http://e:1", {}).targets) == 1
+
+
+def test_a_load_signal_that_never_arrives_or_stops_is_missing_and_can_come_back() -> None:
+    engine = Engine(url="http://e:1")
+    target = Target(engine, 0)
+    assert engine.load_signal(3) == "pending"  # not read yet
+    assert [engine.record_load(False, 3) for _ in range(3)] == [None, None, "lost"]
+    assert engine.load_signal(3) == "missing"
+    assert target.view(None, 5, 3)["load_signal"] == "missing"
+    assert engine.record_load(True, 3) == "back" and engine.load_signal(3) == "ok"
+    assert engine.record_load(False, 3) is None and engine.load_signal(3) == "ok"  # one miss
+    assert [engine.record_load(False, 3) for _ in range(2)] == [None, "lost"]  # stopped
+
+
+def test_the_longest_prompt_comes_from_server_info() -> None:
+    assert max_input_tokens({"max_req_input_len": 40959, "context_length": 40960}) == 40959
+    assert max_input_tokens({"context_length": 4096}) == 4095
+    assert max_input_tokens({"context_length": None}) is None
+    assert max_input_tokens({"max_req_input_len": True}) is None

@@ -91,6 +91,18 @@ def test_max_turns_and_context_limits_stop_the_episode() -> None:
     assert model.max_new[0] <= 120  # max_new_tokens shrinks to the room left
 
 
+@pytest.mark.parametrize(("sampling", "asked"), [
+    (common_pb2.SamplingParams(), 77),  # unset: the agent's per-turn default
+    (common_pb2.SamplingParams(max_new_tokens=5), 5),
+])
+def test_an_unset_max_new_tokens_is_the_agents_default(sampling: common_pb2.SamplingParams,
+                                                      asked: int) -> None:
+    model = ListModel([_turn("<task_complete/>", 0)])
+    agent = TerminalAgent(model, CHAT, FakeProvider(), AgentConfig(max_new_tokens=77))
+    asyncio.run(agent.run(HANDLE, "do the task", "sample-1", sampling, 60.0))
+    assert model.max_new == [asked]
+
+
 def test_wall_time_stops_a_slow_episode() -> None:
     turns = [_turn(command_turn("sleep", 5), 0) for _ in range(50)]
     agent = TerminalAgent(ListModel(turns), CHAT, FakeProvider(delay_s=0.1), AgentConfig())

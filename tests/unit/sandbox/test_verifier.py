@@ -64,12 +64,14 @@ def test_no_reward_file_is_no_verdict_not_zero(provider: LocalProvider, tmp_path
     verdict = _verify(provider, _task(tmp_path, "echo tests crashed; exit 3\n"))
     assert verdict.status == NO_VERDICT
     assert "no /logs/verifier/reward" in verdict.message and "tests crashed" in verdict.message
+    assert verdict.cause == common_pb2.NO_VERDICT_CAUSE_VERIFIER_ERROR
 
 
 def test_verifier_timeout_is_no_verdict(provider: LocalProvider, tmp_path: Path) -> None:
     task = _task(tmp_path, "echo 1 > /logs/verifier/reward.txt; sleep 30\n", timeout_s=0.5)
     verdict = _verify(provider, task)
     assert verdict.status == NO_VERDICT and "timed out" in verdict.message
+    assert verdict.cause == common_pb2.NO_VERDICT_CAUSE_VERIFIER_TIMEOUT
 
 
 def test_a_dead_sandbox_is_no_verdict(provider: LocalProvider, tmp_path: Path) -> None:
@@ -82,6 +84,20 @@ def test_a_dead_sandbox_is_no_verdict(provider: LocalProvider, tmp_path: Path) -
 
     verdict = asyncio.run(run())
     assert verdict.status == NO_VERDICT and "sandbox failure" in verdict.message
+    assert verdict.cause == common_pb2.NO_VERDICT_CAUSE_SANDBOX_LOST
+
+
+def test_an_unreadable_reward_is_a_verifier_error(provider: LocalProvider,
+                                                  tmp_path: Path) -> None:
+    verdict = _verify(provider, _task(tmp_path, "echo pass > /logs/verifier/reward.txt\n"))
+    assert verdict.status == NO_VERDICT and "not a float" in verdict.message
+    assert verdict.cause == common_pb2.NO_VERDICT_CAUSE_VERIFIER_ERROR
+
+
+def test_a_scored_verdict_has_no_cause(provider: LocalProvider, tmp_path: Path) -> None:
+    verdict = _verify(provider, _task(tmp_path, "echo 1 > /logs/verifier/reward.txt\n"))
+    assert verdict.status == SCORED
+    assert verdict.cause == common_pb2.NO_VERDICT_CAUSE_UNSPECIFIED
 
 
 def test_parse_reward_formats() -> None:

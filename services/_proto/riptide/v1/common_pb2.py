@@ -25,27 +25,29 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17riptide/v1/common.proto\x12\nriptide.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xc3\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1a\n\rsampling_seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_sampling_seed\"\x83\x01\n\x0e\x45pisodeTimings\x12\x18\n\x10sandbox_create_s\x18\x01 \x01(\x01\x12\x12\n\ngenerate_s\x18\x02 \x01(\x01\x12\x0e\n\x06\x65xec_s\x18\x03 \x01(\x01\x12\x10\n\x08verify_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\"\xf6\x03\n\nTrajectory\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x12\n\nprompt_ids\x18\x05 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x06 \x03(\x05\x12\x11\n\tloss_mask\x18\x07 \x03(\r\x12\x18\n\x10rollout_logprobs\x18\x08 \x03(\x02\x12\x17\n\x0fweight_versions\x18\t \x03(\x03\x12\x0e\n\x06reward\x18\n \x01(\x02\x12)\n\x06status\x18\x0b \x01(\x0e\x32\x19.riptide.v1.VerdictStatus\x12\x16\n\x0estatus_message\x18\x0c \x01(\t\x12\x11\n\tnum_turns\x18\r \x01(\r\x12\x15\n\rfinish_reason\x18\x0e \x01(\t\x12+\n\x07timings\x18\x0f \x01(\x0b\x32\x1a.riptide.v1.EpisodeTimings\x12\x12\n\nengine_url\x18\x10 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x11 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x12 \x01(\x04\x12\x15\n\rcached_tokens\x18\x13 \x01(\x04\x12/\n\x08segments\x18\x15 \x03(\x0b\x32\x1d.riptide.v1.TrajectorySegment\"\x92\x01\n\x11TrajectorySegment\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x02 \x03(\x05\x12\x11\n\tloss_mask\x18\x03 \x03(\r\x12\x18\n\x10rollout_logprobs\x18\x04 \x03(\x02\x12\x17\n\x0fweight_versions\x18\x05 \x03(\x03\x12\r\n\x05\x63\x61use\x18\x06 \x01(\t\"\x88\x01\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\'\n\x07samples\x18\x03 \x03(\x0b\x32\x16.riptide.v1.Trajectory\x12\x17\n\x0f\x63reated_unix_ms\x18\x04 \x01(\x03\x12\x1a\n\x12min_weight_version\x18\x05 \x01(\x03\"k\n\rServiceStatus\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12(\n\x07\x64\x65tails\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x0f\n\rStatusRequest*i\n\rVerdictStatus\x12\x1e\n\x1aVERDICT_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15VERDICT_STATUS_SCORED\x10\x01\x12\x1d\n\x19VERDICT_STATUS_NO_VERDICT\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17riptide/v1/common.proto\x12\nriptide.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xdb\x01\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1a\n\rsampling_seed\x18\x08 \x01(\x04H\x01\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x10\n\x0e_sampling_seed\"\x83\x01\n\x0e\x45pisodeTimings\x12\x18\n\x10sandbox_create_s\x18\x01 \x01(\x01\x12\x12\n\ngenerate_s\x18\x02 \x01(\x01\x12\x0e\n\x06\x65xec_s\x18\x03 \x01(\x01\x12\x10\n\x08verify_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\"\xac\x04\n\nTrajectory\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x12\n\nprompt_ids\x18\x05 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x06 \x03(\x05\x12\x11\n\tloss_mask\x18\x07 \x03(\r\x12\x18\n\x10rollout_logprobs\x18\x08 \x03(\x02\x12\x17\n\x0fweight_versions\x18\t \x03(\x03\x12\x0e\n\x06reward\x18\n \x01(\x02\x12)\n\x06status\x18\x0b \x01(\x0e\x32\x19.riptide.v1.VerdictStatus\x12\x16\n\x0estatus_message\x18\x0c \x01(\t\x12\x11\n\tnum_turns\x18\r \x01(\r\x12\x15\n\rfinish_reason\x18\x0e \x01(\t\x12+\n\x07timings\x18\x0f \x01(\x0b\x32\x1a.riptide.v1.EpisodeTimings\x12\x12\n\nengine_url\x18\x10 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x11 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x12 \x01(\x04\x12\x15\n\rcached_tokens\x18\x13 \x01(\x04\x12\x34\n\x10no_verdict_cause\x18\x14 \x01(\x0e\x32\x1a.riptide.v1.NoVerdictCause\x12/\n\x08segments\x18\x15 \x03(\x0b\x32\x1d.riptide.v1.TrajectorySegment\"\x92\x01\n\x11TrajectorySegment\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x02 \x03(\x05\x12\x11\n\tloss_mask\x18\x03 \x03(\r\x12\x18\n\x10rollout_logprobs\x18\x04 \x03(\x02\x12\x17\n\x0fweight_versions\x18\x05 \x03(\x03\x12\r\n\x05\x63\x61use\x18\x06 \x01(\t\"\x88\x01\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\'\n\x07samples\x18\x03 \x03(\x0b\x32\x16.riptide.v1.Trajectory\x12\x17\n\x0f\x63reated_unix_ms\x18\x04 \x01(\x03\x12\x1a\n\x12min_weight_version\x18\x05 \x01(\x03\"k\n\rServiceStatus\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12(\n\x07\x64\x65tails\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x0f\n\rStatusRequest*i\n\rVerdictStatus\x12\x1e\n\x1aVERDICT_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15VERDICT_STATUS_SCORED\x10\x01\x12\x1d\n\x19VERDICT_STATUS_NO_VERDICT\x10\x02*\xde\x02\n\x0eNoVerdictCause\x12 \n\x1cNO_VERDICT_CAUSE_UNSPECIFIED\x10\x00\x12+\n\'NO_VERDICT_CAUSE_PROVIDER_CREATE_FAILED\x10\x01\x12!\n\x1dNO_VERDICT_CAUSE_SANDBOX_LOST\x10\x02\x12\"\n\x1eNO_VERDICT_CAUSE_AGENT_TIMEOUT\x10\x03\x12 \n\x1cNO_VERDICT_CAUSE_AGENT_ERROR\x10\x04\x12%\n!NO_VERDICT_CAUSE_CONTEXT_OVERFLOW\x10\x05\x12#\n\x1fNO_VERDICT_CAUSE_VERIFIER_ERROR\x10\x06\x12%\n!NO_VERDICT_CAUSE_VERIFIER_TIMEOUT\x10\x07\x12!\n\x1dNO_VERDICT_CAUSE_ENGINE_ERROR\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'riptide.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERDICTSTATUS']._serialized_start=1320
-  _globals['_VERDICTSTATUS']._serialized_end=1425
+  _globals['_VERDICTSTATUS']._serialized_start=1398
+  _globals['_VERDICTSTATUS']._serialized_end=1503
+  _globals['_NOVERDICTCAUSE']._serialized_start=1506
+  _globals['_NOVERDICTCAUSE']._serialized_end=1856
   _globals['_SAMPLINGPARAMS']._serialized_start=70
-  _globals['_SAMPLINGPARAMS']._serialized_end=265
-  _globals['_EPISODETIMINGS']._serialized_start=268
-  _globals['_EPISODETIMINGS']._serialized_end=399
-  _globals['_TRAJECTORY']._serialized_start=402
-  _globals['_TRAJECTORY']._serialized_end=904
-  _globals['_TRAJECTORYSEGMENT']._serialized_start=907
-  _globals['_TRAJECTORYSEGMENT']._serialized_end=1053
-  _globals['_GROUP']._serialized_start=1056
-  _globals['_GROUP']._serialized_end=1192
-  _globals['_SERVICESTATUS']._serialized_start=1194
-  _globals['_SERVICESTATUS']._serialized_end=1301
-  _globals['_STATUSREQUEST']._serialized_start=1303
-  _globals['_STATUSREQUEST']._serialized_end=1318
+  _globals['_SAMPLINGPARAMS']._serialized_end=289
+  _globals['_EPISODETIMINGS']._serialized_start=292
+  _globals['_EPISODETIMINGS']._serialized_end=423
+  _globals['_TRAJECTORY']._serialized_start=426
+  _globals['_TRAJECTORY']._serialized_end=982
+  _globals['_TRAJECTORYSEGMENT']._serialized_start=985
+  _globals['_TRAJECTORYSEGMENT']._serialized_end=1131
+  _globals['_GROUP']._serialized_start=1134
+  _globals['_GROUP']._serialized_end=1270
+  _globals['_SERVICESTATUS']._serialized_start=1272
+  _globals['_SERVICESTATUS']._serialized_end=1379
+  _globals['_STATUSREQUEST']._serialized_start=1381
+  _globals['_STATUSREQUEST']._serialized_end=1396
 # @@protoc_insertion_point(module_scope)

@@ -13,9 +13,30 @@ class VerdictStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VERDICT_STATUS_UNSPECIFIED: _ClassVar[VerdictStatus]
     VERDICT_STATUS_SCORED: _ClassVar[VerdictStatus]
     VERDICT_STATUS_NO_VERDICT: _ClassVar[VerdictStatus]
+
+class NoVerdictCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NO_VERDICT_CAUSE_UNSPECIFIED: _ClassVar[NoVerdictCause]
+    NO_VERDICT_CAUSE_PROVIDER_CREATE_FAILED: _ClassVar[NoVerdictCause]
+    NO_VERDICT_CAUSE_SANDBOX_LOST: _ClassVar[NoVerdictCause]
+    NO_VERDICT_CAUSE_AGENT_TIMEOUT: _ClassVar[NoVerdictCause]
+    NO_VERDICT_CAUSE_AGENT_ERROR: _ClassVar[NoVerdictCause]
+    NO_VERDICT_CAUSE_CONTEXT_OVERFLOW: _ClassVar[NoVerdictCause]
+    NO_VERDICT_CAUSE_VERIFIER_ERROR: _ClassVar[NoVerdictCause]
+    NO_VERDICT_CAUSE_VERIFIER_TIMEOUT: _ClassVar[NoVerdictCause]
+    NO_VERDICT_CAUSE_ENGINE_ERROR: _ClassVar[NoVerdictCause]
 VERDICT_STATUS_UNSPECIFIED: VerdictStatus
 VERDICT_STATUS_SCORED: VerdictStatus
 VERDICT_STATUS_NO_VERDICT: VerdictStatus
+NO_VERDICT_CAUSE_UNSPECIFIED: NoVerdictCause
+NO_VERDICT_CAUSE_PROVIDER_CREATE_FAILED: NoVerdictCause
+NO_VERDICT_CAUSE_SANDBOX_LOST: NoVerdictCause
+NO_VERDICT_CAUSE_AGENT_TIMEOUT: NoVerdictCause
+NO_VERDICT_CAUSE_AGENT_ERROR: NoVerdictCause
+NO_VERDICT_CAUSE_CONTEXT_OVERFLOW: NoVerdictCause
+NO_VERDICT_CAUSE_VERIFIER_ERROR: NoVerdictCause
+NO_VERDICT_CAUSE_VERIFIER_TIMEOUT: NoVerdictCause
+NO_VERDICT_CAUSE_ENGINE_ERROR: NoVerdictCause
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop", "ignore_eos", "sampling_seed")
@@ -54,7 +75,7 @@ class EpisodeTimings(_message.Message):
     def __init__(self, sandbox_create_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., exec_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., total_s: _Optional[float] = ..., queued_s: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("sample_id", "group_id", "task_id", "sample_index", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "status", "status_message", "num_turns", "finish_reason", "timings", "engine_url", "dp_rank", "prompt_tokens", "cached_tokens", "segments")
+    __slots__ = ("sample_id", "group_id", "task_id", "sample_index", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "reward", "status", "status_message", "num_turns", "finish_reason", "timings", "engine_url", "dp_rank", "prompt_tokens", "cached_tokens", "no_verdict_cause", "segments")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +95,7 @@ class Trajectory(_message.Message):
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NO_VERDICT_CAUSE_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     group_id: str
@@ -94,8 +116,9 @@ class Trajectory(_message.Message):
     dp_rank: int
     prompt_tokens: int
     cached_tokens: int
+    no_verdict_cause: NoVerdictCause
     segments: _containers.RepeatedCompositeFieldContainer[TrajectorySegment]
-    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., status_message: _Optional[str] = ..., num_turns: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[EpisodeTimings, _Mapping]] = ..., engine_url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[TrajectorySegment, _Mapping]]] = ...) -> None: ...
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., status_message: _Optional[str] = ..., num_turns: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[EpisodeTimings, _Mapping]] = ..., engine_url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., no_verdict_cause: _Optional[_Union[NoVerdictCause, str]] = ..., segments: _Optional[_Iterable[_Union[TrajectorySegment, _Mapping]]] = ...) -> None: ...
 
 class TrajectorySegment(_message.Message):
     __slots__ = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions", "cause")

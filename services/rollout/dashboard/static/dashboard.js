@@ -92,6 +92,8 @@
     mark("staleness", Charts.bars($("staleness"), s.staleness,
                                   {xLabel: "weight versions behind"}));
     mark("dropped", Charts.bars($("dropped"), s.dropped, {emptyText: "no group dropped"}));
+    mark("no_verdict_causes", Charts.bars($("no_verdict_causes"), s.no_verdict_causes,
+                                          {emptyText: "every episode has a verdict"}));
     const byStep = key => s.steps.filter(r => r[key] !== null && r[key] !== undefined)
       .map(r => [r.step, r[key]]);
     const xs = {xLabel: "step"};
@@ -106,7 +108,11 @@
     mark("engines", table($("engines"), [["engine", "engine"], ["dp_rank", "dp rank"],
       ["state", "state"], ["running", "running"], ["waiting", "waiting"], [r => pct(r.hit_rate), "cache hits"],
       [r => r.healthy ? "healthy" : "unhealthy", "health"], ["weight_version", "weights"],
-      ["circuit", "circuit"]], s.engines));
+      ["circuit", "circuit"], [r => r.load_signal || "", "load signal"]], s.engines));
+    mark("sandbox_lifecycle", table($("sandbox_lifecycle"), [["service", "service"],
+      ["incarnation", "incarnation"], ["live", "live"], ["leased", "leased"],
+      ["reaped", "reaped"], ["failed_deletes", "failed deletes"],
+      [r => r.reporting ? "yes" : "gone", "reporting"]], s.sandbox_lifecycle));
     mark("sandboxes", table($("sandboxes"), [["sandbox", "sandbox"], ["task_id", "task"],
       ["provider", "provider"], ["sample_id", "sample"], ["state", "state"],
       ["turns", "turns"], ["age_s", "age (s)"]], s.sandboxes));

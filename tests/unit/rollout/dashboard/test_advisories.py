@@ -22,6 +22,7 @@ PROVOKED: dict[str, dict[str, Any]] = {
     "aborted": {"abort_fraction": 0.1},
     "stale_length_bias": {"stale_drop_fraction": 0.3, "stale_length_factor": 3.0},
     "trainer_idle": {"trainer_idle_fraction": 0.7},
+    "no_load_signal": {"no_load_signal_engines": 1},
 }
 
 
@@ -80,3 +81,14 @@ def test_a_phase_that_just_took_far_longer_than_its_median_is_a_stall() -> None:
                       "start": last, "end": last + 120, "id": "sync-slow"})
     found = [a for a in advise(record, AdvisoryConfig()) if a["code"] == "stall"]
     assert any("sync-slow took 120 s" in a["message"] for a in found)
+
+
+def test_no_load_signal_names_the_engine_and_clears_when_the_signal_is_back() -> None:
+    record = _record(no_load_signal_engines=1)
+    found = [a for a in advise(record, AdvisoryConfig()) if a["code"] == "no_load_signal"]
+    assert len(found) == 1 and "http://127.0.0.1:30001" in found[0]["message"]
+    assert "http://127.0.0.1:30000" not in found[0]["message"]
+    last = record.of_kind("rollout.load")[-1]
+    for reading in last.attrs["engines"]:  # the newest reading: every signal back
+        reading["load_signal"] = "ok"
+    assert not [a for a in advise(record, AdvisoryConfig()) if a["code"] == "no_load_signal"]

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import InvalidRequest
+from services.common.no_verdict import CAUSE_NAMES
 from services.rollout.dashboard import load, samples, timeline, training
 from services.rollout.dashboard.record import RunRecord, load_jsonl
 from services.rollout.dashboard.summary import thin
@@ -124,6 +125,16 @@ def test_live_sandboxes_come_from_the_newest_snapshot_of_each_reporting_service(
     assert load.live_sandboxes(record) == []  # the service stopped reporting
 
 
+def test_sandbox_lifecycle_rows_per_service_process(tmp_path: Path) -> None:
+    run = SyntheticRun(live_snapshots=True)
+    record = load_jsonl(write_jsonl(run.generate(), tmp_path / "run.jsonl"))
+    gone, live = load.sandbox_lifecycle(record)
+    assert (gone["incarnation"], gone["reporting"], gone["live"]) == ("a1", False, 1)
+    num_live = len(load.live_sandboxes(record))
+    assert live == {"service": "host:8053", "incarnation": "b2", "live": num_live,
+                    "leased": num_live, "reaped": 1, "failed_deletes": 0, "reporting": True}
+
+
 def test_training_panels(record: RunRecord, run: SyntheticRun) -> None:
     rows = training.steps(record)
     assert [r["step"] for r in rows] == list(range(1, run.num_steps + 1))
@@ -133,6 +144,16 @@ def test_training_panels(record: RunRecord, run: SyntheticRun) -> None:
     total = run.num_steps * run.groups_per_step * run.samples_per_group
     assert consumed + dropped.get("stale (trainer)", 0) * run.samples_per_group == total
     assert [e["weight_version"] for e in training.evals(record)] == [4, 8]
+
+
+def test_missing_verdicts_by_cause(tmp_path: Path) -> None:
+    run = SyntheticRun(no_verdict_fraction=0.3, seed=5)
+    record = load_jsonl(write_jsonl(run.generate(), tmp_path / "run.jsonl"))
+    missing = [e for e in record.of_kind("rollout.episode") if e.attrs["verdict"] != "scored"]
+    causes = training.no_verdicts_by_cause(record)
+    assert missing and sum(causes.values()) == len(missing)
+    assert set(causes) <= set(CAUSE_NAMES[1:]) and len(causes) > 1
+    assert list(causes.values()) == sorted(causes.values(), reverse=True)
 
 
 def test_sample_table_and_view(record: RunRecord, run: SyntheticRun) -> None:

@@ -60,3 +60,11 @@ def test_one_sample_and_a_missing_one(client: TestClient) -> None:
     assert view["sample_id"] == sample_id and view["turns"] and view["tokens"]
     missing = client.get("/dashboard/api/samples/nope", headers=AUTH)
     assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
+
+
+def test_an_oversized_sample_id_is_refused_before_any_lookup(client: TestClient) -> None:
+    refused = client.get(f"/dashboard/api/samples/{'s' * 5000}", headers=AUTH)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["type"] == "InvalidRequest" and "at most 256 printable" in error["message"]
+    assert len(error["message"]) < 200

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from services.router.http1_client import ConnectionBroke, Http1Client, NotConnected
+from services.common.http1_client import ConnectionBroke, Http1Client, NotConnected
 
 
 async def _serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]],

@@ -1,6 +1,7 @@
-"""A lean pooled HTTP/1.1 client on asyncio and httptools' C parser, for the router's hot path.
+"""A lean pooled HTTP/1.1 client on asyncio and httptools' C parser, for hot paths: the
+router's calls to engines, and the agent gateway's calls to the router's HTTP front.
 
-A general client (httpx, aiohttp) spends most of the router's per-call CPU in its own layers;
+A general client (httpx, aiohttp) spends most of such a proxy's per-call CPU in its own layers;
 this one does what a call to an engine needs and nothing else: keep-alive connections per
 host (at most `max_connections` in all), a request with a body, and a response read whole
 or streamed (Content-Length or chunked, as SGLang's uvicorn sends them).
