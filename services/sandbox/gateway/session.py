@@ -185,10 +185,14 @@ class GatewaySession:
                     messages: bool) -> CallOutcome:
         room = self.limits.max_context_tokens - len(ids) - 1
         if room <= 0:
+            # OpenAI's wording: clients (litellm, hence Harbor and mini-swe-agent) recognize
+            # a context overflow by it, and summarize or stop instead of retrying.
             self._refuse(GatewayLimit(
-                f"the prompt is {len(ids)} tokens; episode {self.episode_id} allows "
-                f"{self.limits.max_context_tokens} with the reply (sandbox.agent."
-                "max_context_tokens)", 400, "context_length_exceeded", "context_length"))
+                f"This model's maximum context length is {self.limits.max_context_tokens} "
+                f"tokens. However, your messages resulted in {len(ids)} tokens, and the reply "
+                f"needs at least one (episode {self.episode_id}; sandbox.agent."
+                "max_context_tokens). Please reduce the length of the messages.",
+                400, "context_length_exceeded", "context_length"))
         params = self._sampling(request, room)
         self.num_calls += 1
         self.stats.call()

@@ -1,0 +1,1 @@
+"""Third-party agents run unchanged: Harbor's Terminus-2 and mini-swe-agent (see harness.py)."""
