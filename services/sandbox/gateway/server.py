@@ -94,7 +94,8 @@ class AgentGateway:
         """End an episode's session: its key stops working at once, and the router stops
         counting it as live."""
         session = self.sessions.pop(episode_id, None)
-        forget = getattr(self.model, "forget", None)
+        # A client shared with the service is told by the service when the episode ends.
+        forget = getattr(self.model, "forget", None) if self.owns_model else None
         if session is not None and session.num_calls and forget is not None:
             forget(episode_id)
         return session

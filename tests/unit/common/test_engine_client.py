@@ -165,8 +165,8 @@ def test_router_registry_and_health_read_the_current_contract() -> None:
     assert [t.reported_tokens for t in engine.targets] == [5120, 0]
 
 
-def test_rollout_fleet_reads_the_current_contract() -> None:
-    engines, _ = client("current")
+def polled_fleet_member(engines: Any) -> Any:
+    """The one member of an attach fleet over `engines`, after one health poll."""
     fleet = EngineFleet(FleetConfig(kind="attach", attach_urls=[URL], health_interval_s=60),
                         engines, NoRouter(), weight_version=7)
 
@@ -176,7 +176,12 @@ def test_rollout_fleet_reads_the_current_contract() -> None:
         await fleet.stop()
         return fleet.members[0]
 
-    member = run(go())
+    return run(go())
+
+
+def test_rollout_fleet_reads_the_current_contract() -> None:
+    engines, _ = client("current")
+    member = polled_fleet_member(engines)
     assert member.ranks == 2 and member.state == "ready"
     assert [rank["num_reqs"] for rank in member.load] == [4, 0]
 
@@ -252,14 +257,5 @@ def test_rollout_fleet_keeps_an_engine_that_serves_no_load_route() -> None:
     routes = {k: v for k, v in FIXTURES["current"].items() if k != "GET /v1/loads"}
     engines, seen = client("current")
     seen.routes = routes
-    fleet = EngineFleet(FleetConfig(kind="attach", attach_urls=[URL], health_interval_s=60),
-                        engines, NoRouter(), weight_version=7)
-
-    async def go() -> Any:
-        await fleet.start()
-        await fleet._poll(fleet.members[0])
-        await fleet.stop()
-        return fleet.members[0]
-
-    member = run(go())
+    member = polled_fleet_member(engines)
     assert member.state == "ready" and member.load is None

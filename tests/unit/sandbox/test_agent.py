@@ -14,6 +14,7 @@ from services.sandbox.config import AgentConfig
 from services.sandbox.model_client import GenerateResult, ScriptedModelClient, command_turn
 from services.sandbox.reply_format import parse_reply, truncate_middle
 from services.testing.fake_provider import HANDLE, FakeProvider
+from services.testing.routed_model import AnswersRoutes
 
 CHAT = ChatFormat(build_tokenizer())
 
@@ -160,27 +161,11 @@ def test_turns_text_and_engine_counts_are_kept_for_the_episode_detail() -> None:
         "http://e", 1, 110, 40)
 
 
-class RoutingModel(ListModel):
-    """ListModel that also answers routed experts as an engine does: for the input positions
-    from the asked start to the last one forwarded, expert ids made from the position."""
+class RoutingModel(AnswersRoutes, ListModel):
+    """ListModel that also answers routed experts as an engine does (`_routes_at`)."""
 
     def __init__(self, results: list[GenerateResult]) -> None:
-        super().__init__(results)
-        self.starts: list[int | None] = []
-
-    async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams,
-                       routed_experts_start: int | None = None) -> GenerateResult:
-        import dataclasses
-
-        import numpy as np
-
-        result = await super().generate(session_key, input_ids, sampling)
-        self.starts.append(routed_experts_start)
-        assert routed_experts_start is not None
-        end = len(input_ids) + len(result.output_ids) - 1
-        ids = _routes_at(np.arange(routed_experts_start, end))
-        return dataclasses.replace(result, routed_experts=ids.astype("<i4").tobytes())
+        super().__init__(results, routes_at=_routes_at)
 
 
 def _routes_at(positions):  # noqa: ANN001, ANN202

@@ -6,6 +6,7 @@ import asyncio
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from services._proto.riptide.v1 import common_pb2
@@ -19,6 +20,7 @@ from services.sandbox.gateway.session import (
     SessionLimits,
 )
 from services.sandbox.model_client import GenerateResult
+from services.testing.routed_model import AnswersRoutes
 
 TOKENIZER = build_tokenizer()
 EOT = TOKENIZER.eos_token_id
@@ -113,27 +115,12 @@ def test_an_aborted_call_marks_the_episode() -> None:
     assert s.aborted
 
 
-class RoutingModel(RecordingModel):
-    """Also answers routed experts as an engine does: ids made from each input position,
-    from the asked start through the last position forwarded."""
+class RoutingModel(AnswersRoutes, RecordingModel):
+    """RecordingModel that also answers routed experts (one MoE layer, top-2 of 120)."""
 
     def __init__(self, replies: list[list[int]]) -> None:
-        super().__init__(replies)
-        self.starts: list[int | None] = []
-
-    async def generate(self, session_key: str, input_ids: list[int],
-                       sampling: common_pb2.SamplingParams,
-                       routed_experts_start: int | None = None) -> GenerateResult:
-        import dataclasses
-
-        import numpy as np
-
-        result = await super().generate(session_key, input_ids, sampling)
-        self.starts.append(routed_experts_start)
-        assert routed_experts_start is not None
-        positions = np.arange(routed_experts_start, len(input_ids) + len(result.output_ids) - 1)
-        ids = np.stack([positions % 60, positions % 60 + 60], -1)[:, None, :]
-        return dataclasses.replace(result, routed_experts=ids.astype("<i4").tobytes())
+        super().__init__(replies, routes_at=lambda p: np.stack([p % 60, p % 60 + 60], -1)[
+            :, None, :])
 
 
 def test_each_segment_records_its_routes_from_its_own_start() -> None:
