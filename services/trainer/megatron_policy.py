@@ -112,6 +112,7 @@ def configured_model(config: TrainerConfig, shape: Any) -> Any:
         shape, dtype=config.model.dtype, num_layers_per_stage=config.parallel.num_layers_per_stage,
         sequence_parallel=config.parallel.sequence_parallel,
         attention=config.model.attention_backend, recompute=config.model.recompute(),
+        grouped_experts=config.model.grouped_experts,
     )  # fmt: skip
     if should_compile(config.model.compile_layers, model):
         compile_layers(model)

@@ -40,6 +40,14 @@ class ModelConfig(StrictModel):
         " kernels fused, its Python out of the GPU's way); the first micro-batch of a new shape"
         " compiles; auto: on where the model is on a GPU, off on the CPU",
     )
+    grouped_experts: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="MoE layers run all local experts' SwiGLU FFNs as grouped matmuls over the"
+        " tokens sorted by expert (torch._grouped_mm on CUDA in bf16, one padded batched matmul"
+        " elsewhere) instead of megatron's SequentialMLP, a Python loop over experts; same"
+        " weights and checkpoint names either way (not the optimizer state's layout); auto: on"
+        " (the CPU measured faster grouped too)",
+    )
     recompute_granularity: Literal["none", "full", "selective"] = Field(
         "none",
         description="megatron activation recomputation: full (whole layers, see method and"

@@ -248,18 +248,19 @@ def attention_spec(shape: ModelShape, backend: str, cp: int) -> Any:
 def build_gpt_model(
     shape: ModelShape, *, dtype: str = "float32", num_layers_per_stage: list[int] | None = None,
     sequence_parallel: bool = False, attention: str = "fused",
-    recompute: dict[str, Any] | None = None,
+    recompute: dict[str, Any] | None = None, grouped_experts: str = "auto",
 ) -> Any:
     """This rank's megatron GPTModel for `shape`, in the layout `init_parallel` set up (and
     `num_layers_per_stage`, parallel.num_layers_per_stage), with the `attention` backend's
-    layer spec and megatron's `recompute` settings."""
+    layer spec, megatron's `recompute` settings and, for MoE models, the experts module
+    `grouped_experts` picks (grouped_experts.use_grouped_experts)."""
     if shape.is_mla:
         from services.trainer.model.model_mla import build_mla_model
 
         return build_mla_model(
             shape,  # type: ignore[arg-type]
             dtype=dtype, num_layers_per_stage=num_layers_per_stage,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=sequence_parallel, grouped_experts=grouped_experts,
         )
     from megatron.core import parallel_state as ps
 
@@ -283,6 +284,7 @@ def build_gpt_model(
             swiglu.use_swiglu(config)
     if shape.is_moe:
         _allow_moe_without_te()
+        spec = moe_experts_spec(spec, grouped_experts)
     model = stage_model(
         shape, config, spec, rope_scaling=shape.rope_scaling_factor is not None,
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
@@ -290,6 +292,16 @@ def build_gpt_model(
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def moe_experts_spec(spec: Any, grouped_experts: str) -> Any:
+    """`spec` (a layer or block spec) with GroupedExperts in its MoE layers where
+    `grouped_experts` ("auto", "on", "off") chooses them here."""
+    from services.trainer.model.grouped_experts import use_grouped_experts, with_grouped_experts
+
+    if use_grouped_experts(grouped_experts):
+        return with_grouped_experts(spec)
+    return spec
 
 
 def parallel_sizes() -> dict[str, int]:

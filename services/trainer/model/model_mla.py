@@ -162,8 +162,9 @@ def mla_transformer_config(shape: MLAShape, *, tp: int, pp: int, cp: int, ep: in
 
 def build_mla_model(shape: MLAShape, *, dtype: str = "float32",
                     num_layers_per_stage: list[int] | None = None,
-                    sequence_parallel: bool = False) -> Any:
-    """This rank's megatron GPTModel for an MLA `shape`, with the carried DSA/MTP buffers."""
+                    sequence_parallel: bool = False, grouped_experts: str = "auto") -> Any:
+    """This rank's megatron GPTModel for an MLA `shape`, with the carried DSA/MTP buffers and
+    the MoE layers' experts `grouped_experts` picks (model.moe_experts_spec)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -190,6 +191,7 @@ def build_mla_model(shape: MLAShape, *, dtype: str = "float32",
 
         spec = use_tp_norms(spec, config)
     model_module._allow_moe_without_te()
+    spec = model_module.moe_experts_spec(spec, grouped_experts)
     _allow_mla_without_te()
     model = model_module.stage_model(shape, config, spec)
     for module in model.modules():

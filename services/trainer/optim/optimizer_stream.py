@@ -400,6 +400,7 @@ class MasterAdam:
             "moments_dtype": str(self.moments_dtype),
             "master_in_params": self.master_in_params,
             "bucket_numel": [b.numel for b in self.buckets],
+            "param_shapes": [list(p.shape) for p in self.params],
             "shard": self._shard_key(),
             "steps": steps,
         }
@@ -413,16 +414,18 @@ class MasterAdam:
         meta = json.loads((directory / STATE_FILE).read_text())
         layout = [b.numel for b in self.buckets]
         saved_master = not meta.get("master_in_params", False)
+        shapes = [list(p.shape) for p in self.params]
         if (
             meta["bucket_numel"] != layout
+            or meta.get("param_shapes", shapes) != shapes  # e.g. grouped against per-expert
             or meta["moments_dtype"] != str(self.moments_dtype)
             or (not saved_master and not self.master_in_params)
             or meta.get("shard", [0, 1]) != self._shard_key()
         ):
             raise ValueError(
                 f"{directory}: optimizer state layout differs from this optimizer's "
-                "(same model, parameter dtype, bucket_mb, moments dtype and data-parallel "
-                "size are needed to resume)"
+                "(same model, experts module, parameter dtype, bucket_mb, moments dtype and "
+                "data-parallel size are needed to resume)"
             )
         for bucket, steps in zip(self.owned, meta["steps"], strict=True):
             for s, step in zip(bucket.slices, steps, strict=True):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import InvalidRequest
+from services.trainer.model.grouped_experts import grouped_expert_views
 from services.trainer.model.model import ModelShape
 from services.trainer.parallel.pipeline_layout import owner_stage, stage_layer_counts
 from services.trainer.weights import weight_map
@@ -157,8 +158,10 @@ def _owner_stage(rule: TensorRule, stage_layers: list[int]) -> int:
 
 
 def _local_params(model: Any, shape: ModelShape, g: dict[str, Any]) -> dict[str, torch.Tensor]:
-    # Buffers too: the router's expert bias and the carried tensors of model_mla.py.
-    named = [*model.named_parameters(), *model.named_buffers()]
+    # Buffers too: the router's expert bias and the carried tensors of model_mla.py; grouped
+    # experts by their per-expert views (grouped_experts.py).
+    named = [*model.named_parameters(), *model.named_buffers(),
+             *grouped_expert_views(model).items()]
     return {
         _global_name(model, shape, name, g["ep_rank"], g["ep_size"]): p.detach()
         for name, p in named

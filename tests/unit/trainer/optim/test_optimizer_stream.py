@@ -126,6 +126,20 @@ def test_save_and_load_resume_identically(tmp_path: Path, dtype: torch.dtype) ->
         wrong.load(ckpt)
 
 
+def test_state_of_stacked_experts_is_refused_by_per_expert_parameters(tmp_path: Path) -> None:
+    """Grouped and sequential MoE experts hold the same numbers in other parameters: the same
+    buckets, moments in another order. Resuming across the switch must fail, not misalign."""
+    stacked = [torch.zeros(4, 6, 8)]
+    per_expert = [torch.zeros(6, 8) for _ in range(4)]
+    saved = MasterAdam(stacked, bucket_mb=1.0)
+    saved.save(tmp_path)
+    other = MasterAdam(per_expert, bucket_mb=1.0)
+    assert [b.numel for b in other.buckets] == [b.numel for b in saved.buckets]
+    with pytest.raises(ValueError, match="experts module"):
+        other.load(tmp_path)
+    MasterAdam([torch.zeros(4, 6, 8)], bucket_mb=1.0).load(tmp_path)  # the same layout loads
+
+
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_state_saved_with_a_master_copy_resumes_fp32_parameters(tmp_path: Path,
                                                                  on_disk: bool) -> None:
