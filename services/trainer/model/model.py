@@ -296,10 +296,13 @@ def build_gpt_model(
 
 def moe_experts_spec(spec: Any, grouped_experts: str) -> Any:
     """`spec` (a layer or block spec) with GroupedExperts in its MoE layers where
-    `grouped_experts` ("auto", "on", "off") chooses them here."""
+    `grouped_experts` ("auto", "on", "off") chooses them, and then the alltoall dispatcher's
+    chunks regrouped by one gather (expert_dispatch.py)."""
+    from services.trainer.model.expert_dispatch import use_index_sorted_chunks
     from services.trainer.model.grouped_experts import use_grouped_experts, with_grouped_experts
 
     if use_grouped_experts(grouped_experts):
+        use_index_sorted_chunks()
         return with_grouped_experts(spec)
     return spec
 
