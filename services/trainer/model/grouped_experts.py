@@ -104,13 +104,15 @@ class GroupLayout:
 
 
 def kernel_fits(hidden: Tensor, fc2_weight: Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs these products: in bf16 on CUDA (the CUTLASS kernel),
-    on the CPU where this torch has its per-group kernel; rows of 16 bytes either way."""
+    """Whether `torch._grouped_mm` runs these products: in bf16 on CUDA from sm90 on (the
+    CUTLASS kernel; older torch builds have nothing below), on the CPU where this torch has its
+    per-group kernel; rows of 16 bytes either way."""
     align = 16 // hidden.element_size()
     if hidden.shape[-1] % align or fc2_weight.shape[-1] % align:
         return False
     if hidden.is_cuda:
-        return hidden.dtype == torch.bfloat16
+        major, _ = torch.cuda.get_device_capability(hidden.device)
+        return hidden.dtype == torch.bfloat16 and major >= 9
     return hidden.device.type == "cpu" and _cpu_grouped_mm()
 
 
@@ -167,8 +169,13 @@ class GroupedExperts(torch.nn.Module):
             with torch.no_grad():
                 config.init_method(self.fc1_weight)
                 config.output_layer_init_method(self.fc2_weight)
-        for weight in (self.fc1_weight, self.fc2_weight):
-            # megatron's mark for parameters owned by one expert-parallel rank
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        # megatron's marks of its expert linears: held whole by each expert-TP rank (expert TP
+        # is 1; a TP rank's gradient norm counts it, where it skips TP duplicates off rank 0),
+        # and owned by one expert-parallel rank under EP
+        for weight, dim in ((self.fc1_weight, 1), (self.fc2_weight, 2)):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
             weight.allreduce = config.expert_model_parallel_size == 1  # type: ignore[attr-defined]
         self.register_state_dict_post_hook(_per_expert_state)
         self.register_load_state_dict_pre_hook(_stacked_state)

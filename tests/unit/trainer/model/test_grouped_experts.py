@@ -144,8 +144,18 @@ def _expanded_grads(model: Any) -> dict[str, torch.Tensor]:
     return grads  # type: ignore[return-value]
 
 
+def _marks(param: torch.Tensor) -> tuple[object, ...]:
+    """megatron's parameter marks that the gradient sums and norms read (grad_norm.py)."""
+    return (getattr(param, "allreduce", None), getattr(param, "tensor_model_parallel", None))
+
+
 def test_a_moe_layer_is_the_same_with_grouped_experts() -> None:
     sequential, grouped = _moe_layers(_moe_config())
+    marks = {_marks(p) for p in sequential.experts.parameters()}
+    assert marks == {(True, True)}
+    assert {_marks(p) for p in grouped.experts.parameters()} == marks
+    ep2 = _moe_config(expert_model_parallel_size=2)
+    assert {_marks(p) for p in GroupedExperts(4, ep2).parameters()} == {(False, True)}
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(7, 3, 32, generator=g)  # [S, B, H]
     up = torch.randn(7, 3, 32, generator=g)
