@@ -115,7 +115,8 @@ class _Connection(asyncio.Protocol):
             if self.error is not None:
                 raise self.error
             self.wake.clear()
-            await asyncio.wait_for(self.wake.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task per wait, as wait_for makes
+                await self.wake.wait()
         chunk = self.chunks.popleft()
         self.buffered -= len(chunk)
         if self.paused and self.buffered < _PAUSE_AT // 2 and self.transport is not None:
@@ -190,7 +191,8 @@ class Http1Client:
             conn = await self._connection(key)
             conn.send(data)
             try:
-                status = await asyncio.wait_for(conn.head, self.read_timeout_s)
+                async with asyncio.timeout(self.read_timeout_s):
+                    status = await conn.head
             except ConnectionBroke:
                 self._discard(conn)
                 if conn.reused and not conn.got_bytes:

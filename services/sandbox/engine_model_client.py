@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import os
 
 import orjson
 
@@ -44,7 +44,7 @@ class EngineModelClient:
                        routed_experts_start: int | None = None) -> GenerateResult:
         body: dict[str, object] = {
             "input_ids": input_ids, "sampling_params": sampling_params(sampling),
-            "return_logprob": True, "rid": f"{session_key}-{uuid.uuid4().hex[:8]}"}
+            "return_logprob": True, "rid": f"{session_key}-{os.urandom(4).hex()}"}
         if routed_experts_start is not None:
             body.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start)
         if self.routed:
