@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 
 import orjson
 
@@ -31,12 +32,14 @@ class EngineModelClient:
     URL is the router's HTTP front, which takes the session key as `routing_key`."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None,
-                 routed: bool = False, num_retries: int = 3, max_connections: int = 512) -> None:
+                 routed: bool = False, num_retries: int = 3, max_connections: int = 512,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.url = url.rstrip("/")
         self.routed = routed
         self._num_retries = num_retries
         self._client = Http1Client(connect_timeout_s=5.0, read_timeout_s=timeout_s,
-                                   max_connections=max_connections, headers=bearer(api_key))
+                                   max_connections=max_connections, headers=bearer(api_key),
+                                   ssl_context=ssl_context)
         self._endings: set[asyncio.Task[None]] = set()
 
     async def generate(self, session_key: str, input_ids: list[int],
