@@ -228,7 +228,7 @@ def _serve(args: argparse.Namespace) -> int:
         serve_engine(config.engine.model_copy(update={"api_key": key}))
         return 0
     if args.service == "trainer" and config.trainer.parallel.launcher == "external":
-        from services.trainer.rank_env import launched_rank
+        from services.trainer.parallel.rank_env import launched_rank
 
         me = launched_rank()
         if me.rank != 0:  # only rank 0 serves; the others follow its commands
