@@ -1,0 +1,1 @@
+"""Attention kernels of the trainer: MLA, DSA sparse attention, context parallelism."""
