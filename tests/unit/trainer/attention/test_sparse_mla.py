@@ -207,18 +207,26 @@ def test_triton_kernels_in_interpreter_equal_the_torch_form(
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=0)
     grad = torch.randn(out.shape, generator=gen)
-    got = kernels.backward(grad, q, kv, picks, positions, ref_out, ref_lse, 0.2)
     want = torch_backward(grad, q, kv, picks, positions, ref_out, ref_lse, 0.2)
-    for a, r in zip(got, want, strict=True):
-        torch.testing.assert_close(a, r, atol=1e-5, rtol=0)
+    for variant in ("split", "fused"):
+        monkeypatch.setattr(kernels, "BACKWARD", variant)
+        got = kernels.backward(grad, q, kv, picks, positions, ref_out, ref_lse, 0.2)
+        for a, r in zip(got, want, strict=True):
+            torch.testing.assert_close(a, r, atol=1e-5, rtol=0, msg=variant)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(1, 300, 64, 512, 64, 128), (2, 257, 5, 64, 32, 48)])
-def test_cuda_kernels_equal_the_torch_form(shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("variant", ["split", "fused"])
+def test_cuda_kernels_equal_the_torch_form(
+    shape: tuple[int, ...], variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("triton")
     assert os.environ.get("TRITON_INTERPRET") != "1"
+    from services.trainer.attention import sparse_mla_triton as kernels
+
+    monkeypatch.setattr(kernels, "BACKWARD", variant)
     b, s, h, v, rope, k = shape
     gen = torch.Generator(device="cuda").manual_seed(8)
     q = torch.randn(b, s, h, v + rope, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -234,5 +242,5 @@ def test_cuda_kernels_equal_the_torch_form(shape: tuple[int, ...]) -> None:
                                    ref, ref_lse, 0.05)
     for name, a, r in (("out", out, ref), ("dq", got_q, ref_q), ("dkv", got_kv, ref_kv)):
         err = float((a.double() - r).abs().max() / r.abs().max())
-        print(f"sparse MLA CUDA {shape} {name}: max error / max {err:.2e}")
+        print(f"sparse MLA CUDA {shape} {variant} {name}: max error / max {err:.2e}")
         assert err < 2e-2, (name, err)
