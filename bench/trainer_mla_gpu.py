@@ -127,9 +127,15 @@ def attention_only(seq: int, variants: list[str]) -> dict[str, Any]:
         "forward_ms": round(fwd_s * 1e3, 2),
         "forward_tflops": round(fwd_flops / fwd_s / 1e12, 1),
     }  # fmt: skip
+    print(json.dumps(result), flush=True)
     for variant in variants:
         kernels.BACKWARD = variant
-        bwd_s = _time(lambda: kernels.backward(grad, q, kv, picks, positions, out, lse, scale))
+        try:
+            bwd_s = _time(lambda: kernels.backward(grad, q, kv, picks, positions, out, lse,
+                                                   scale))
+        except Exception as err:  # noqa: BLE001 - reported in the JSON; the next variant runs
+            result[variant] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            continue
         total = fwd_s + bwd_s
         result[variant] = {
             "backward_ms": round(bwd_s * 1e3, 2),

@@ -41,9 +41,9 @@ _LOG2E = 1.4426950408889634
 
 if triton is not None:
 
-    def _configs(block_n: list[int]) -> list[Any]:
+    def _configs(block_h: list[int], block_n: list[int]) -> list[Any]:
         return [triton.Config({"BLOCK_H": h, "BLOCK_N": n}, num_warps=w, num_stages=1)
-                for h in (16, 32, 64) for n in block_n for w in (4, 8)]
+                for h in block_h for n in block_n for w in (4, 8)]
 
     def _prune(configs: list[Any], named_args: dict[str, Any], **_: Any) -> list[Any]:
         heads = named_args["H"]
@@ -52,7 +52,7 @@ if triton is not None:
         fit = [c for c in configs if c.kwargs["BLOCK_H"] <= max(16, heads)]
         return fit or configs[:1]
 
-    @triton.autotune(configs=_configs([32, 64]), key=["H", "TOPK", "D_V", "D_R"],
+    @triton.autotune(configs=_configs([16, 32, 64], [32, 64]), key=["H", "TOPK", "D_V", "D_R"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
     def _forward_kernel(Q, KV, IDX, QPOS, OUT, LSE, scale_log2,  # type: ignore[no-untyped-def]
@@ -98,7 +98,10 @@ if triton is not None:
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=head_ok[:, None])
         tl.store(LSE + row * H + heads, lse, mask=head_ok)
 
-    @triton.autotune(configs=_configs([16, 32]), key=["H", "TOPK", "D_V", "D_R"],
+    # Small tiles: larger ones ran out of shared memory on an H200 at v = 512; few of them:
+    # at 65k tokens each one's benchmark takes seconds (12 did not finish in 170 s).
+    @triton.autotune(configs=_configs([16, 32], [16]),
+                     key=["H", "TOPK", "D_V", "D_R", "WITH_DKV"],
                      prune_configs_by={"early_config_prune": _prune}, reset_to_zero=["DKV"])
     @triton.jit
     def _backward_kernel(Q, KV, IDX, QPOS, DO, LSE, DELTA, DQ, DKV,  # type: ignore[no-untyped-def]
@@ -155,7 +158,7 @@ if triton is not None:
 
     def _dkv_configs() -> list[Any]:
         return [triton.Config({"BLOCK_N": n, "BLOCK_D": c}, num_warps=w, num_stages=1)
-                for n in (16, 32, 64) for c in (16, 64, 128) for w in (4, 8)]  # fmt: skip
+                for n in (16, 32) for c in (16, 64) for w in (4, 8)]  # fmt: skip
 
     def _prune_dkv(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
         v_dim = {**named_args, **kwargs}["D_V"]

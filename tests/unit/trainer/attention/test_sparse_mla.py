@@ -7,6 +7,8 @@ in TRITON_INTERPRET=1 mode where triton is installed."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -189,18 +191,16 @@ def test_selective_recompute_is_refused_with_dsa(one_rank: None) -> None:
         _glm({"recompute_granularity": "selective", "recompute_modules": ["core_attn"]})
 
 
-@pytest.mark.slow
-def test_triton_kernels_in_interpreter_equal_the_torch_form(
-    monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    pytest.importorskip("triton")
+def interpreter_check() -> None:
+    """The Triton kernels (both backward variants) against the torch form, on the CPU in
+    TRITON_INTERPRET=1 mode (run in a process of its own: Triton reads the mode when it is
+    first imported, and other tests may import it first)."""
     from services.trainer.attention import sparse_mla_triton as kernels
 
     b, s, h, v, rope, k = 1, 40, 3, 16, 16, 24
     gen = torch.Generator().manual_seed(6)
-    q, kv = torch.randn(b, s, h, v + rope, generator=gen), torch.randn(b, s, v + rope,
-                                                                        generator=gen)
+    q = torch.randn(b, s, h, v + rope, generator=gen)
+    kv = torch.randn(b, s, v + rope, generator=gen)
     picks, positions = _indices(b, s, k, 7), torch.arange(s)
     out, lse = kernels.forward(q, kv, picks, positions, 0.2, v)
     ref_out, ref_lse = torch_forward(q, kv, picks, positions, 0.2, v)
@@ -209,10 +209,24 @@ def test_triton_kernels_in_interpreter_equal_the_torch_form(
     grad = torch.randn(out.shape, generator=gen)
     want = torch_backward(grad, q, kv, picks, positions, ref_out, ref_lse, 0.2)
     for variant in ("split", "fused"):
-        monkeypatch.setattr(kernels, "BACKWARD", variant)
+        kernels.BACKWARD = variant
         got = kernels.backward(grad, q, kv, picks, positions, ref_out, ref_lse, 0.2)
         for a, r in zip(got, want, strict=True):
             torch.testing.assert_close(a, r, atol=1e-5, rtol=0, msg=variant)
+    print("interpreter check passed")
+
+
+@pytest.mark.slow
+def test_triton_kernels_in_interpreter_equal_the_torch_form() -> None:
+    pytest.importorskip("triton")
+    script = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location("
+              f"'check', {__file__!r}); module = importlib.util.module_from_spec(spec);"
+              " spec.loader.exec_module(module); module.interpreter_check()")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "interpreter check passed" in done.stdout
 
 
 @pytest.mark.gpu
