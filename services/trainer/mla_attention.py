@@ -159,12 +159,17 @@ class MLACoreAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, h]
         if dv < dk:
             v = F.pad(v, (0, dk - dv))
-        from megatron.core import tensor_parallel
-
         p = self.dropout.p if self.training else 0.0
-        with tensor_parallel.get_cuda_rng_tracker().fork():
-            context = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                     scale=self.softmax_scale)[..., :dv]
+        if p > 0:
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                         scale=self.softmax_scale)
+        else:
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                     scale=self.softmax_scale)
+        context = context[..., :dv]
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * dv)
 
 

@@ -258,3 +258,24 @@ def test_cuda_kernels_equal_the_torch_form(
         err = float((a.double() - r).abs().max() / r.abs().max())
         print(f"sparse MLA CUDA {shape} {variant} {name}: max error / max {err:.2e}")
         assert err < 2e-2, (name, err)
+
+
+def test_dense_mla_sdpa_equals_the_exact_path(one_rank: None) -> None:
+    """The fused SDPA form MLA layers without DSA take on CUDA (V padded to the qk width),
+    run here on the CPU against the exact materialized path, forward and gradients."""
+    hf = random_hf_model("deepseek_v3", num_layers=1, num_kv_heads=4)
+    shape = ModelShape.from_hf(hf.config)
+    attention = build_gpt_model(shape).decoder.layers[0].self_attention.core_attention
+    gen = torch.Generator().manual_seed(10)
+    dk, dv = shape.qk_nope_head_dim + shape.qk_rope_head_dim, shape.v_head_dim
+    assert dv < dk  # the padded case
+    heads = shape.num_heads
+    q, k = (torch.randn(13, 2, heads, dk, generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(13, 2, heads, dv, generator=gen, requires_grad=True)
+    fused = attention._sdpa(q, k, v)
+    exact = attention(q, k, v, None)
+    torch.testing.assert_close(fused, exact, atol=1e-5, rtol=0)
+    grad = torch.randn(fused.shape, generator=gen)
+    for a, r in zip(torch.autograd.grad(fused, (q, k, v), grad),
+                    torch.autograd.grad(exact, (q, k, v), grad), strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=0)
