@@ -155,8 +155,8 @@ def indexer_timing(seq: int) -> dict[str, Any]:
     """The frozen DSA indexer's top-k of a `seq`-token row at two score budgets (seconds)."""
     import torch
 
-    from services.trainer import sparse_attention
-    from services.trainer.model import ModelShape
+    from services.trainer.attention import sparse_attention
+    from services.trainer.model.model import ModelShape
 
     shape = ModelShape.from_hf(glm_slice_config(1, 8))
     indexer = sparse_attention.DSAIndexer(shape).cuda().bfloat16()  # type: ignore[arg-type]
@@ -178,7 +178,7 @@ def indexer_timing(seq: int) -> dict[str, Any]:
 def _rows(seq: int, vocab: int) -> Any:
     import torch
 
-    from services.trainer.batch import MicroBatch
+    from services.trainer.data.batch import MicroBatch
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, seq), generator=gen).cuda()
@@ -199,22 +199,22 @@ def _hf_model(config: Any) -> Any:
 def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int) -> dict[str, Any]:
     import torch
 
-    from services.trainer.loss import LossSettings, policy_loss
+    from services.trainer.objective.loss import LossSettings, policy_loss
 
     config = glm_slice_config(moe_layers, experts)
     recompute = seq > 16384
     hf = _hf_model(config)
     batch = _rows(seq, config.vocab_size)
     if side == "trainer":
-        from services.trainer.batch import RolloutBatch
-        from services.trainer.convert import load_hf_weights
-        from services.trainer.logprobs import token_logprobs
-        from services.trainer.model import ModelShape, build_gpt_model
+        from services.trainer.data.batch import RolloutBatch
+        from services.trainer.model.model import ModelShape, build_gpt_model
+        from services.trainer.model.policy import ModelPolicy
         from services.trainer.model_config import ParallelConfig
-        from services.trainer.optimizer_stream import MasterAdam, megatron_no_decay
-        from services.trainer.parallel import init_parallel
-        from services.trainer.policy import ModelPolicy
+        from services.trainer.objective.logprobs import token_logprobs
+        from services.trainer.optim.optimizer_stream import MasterAdam, megatron_no_decay
+        from services.trainer.parallel.parallel import init_parallel
         from services.trainer.step import train_step
+        from services.trainer.weights.convert import load_hf_weights
 
         init_parallel(ParallelConfig(), rank=0, world_size=1, master_port=29631)
         shape = ModelShape.from_hf(config)

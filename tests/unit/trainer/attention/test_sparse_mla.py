@@ -18,18 +18,18 @@ import torch
 from services.common.errors import ConfigError
 from services.common.ports import free_port
 from services.testing.hf_models import random_hf_model
+from services.trainer.attention.mla_attention import MLACoreAttention
 from services.trainer.attention.sparse_mla import (
     absorbed_sparse_attention,
     sparse_mla,
     torch_backward,
     torch_forward,
 )
-from services.trainer.convert import load_hf_weights
-from services.trainer.logprobs import token_logprobs
-from services.trainer.mla_attention import MLACoreAttention
-from services.trainer.model import ModelShape, build_gpt_model
+from services.trainer.model.model import ModelShape, build_gpt_model
 from services.trainer.model_config import ParallelConfig
-from services.trainer.parallel import init_parallel, teardown_parallel
+from services.trainer.objective.logprobs import token_logprobs
+from services.trainer.parallel.parallel import init_parallel, teardown_parallel
+from services.trainer.weights.convert import load_hf_weights
 
 
 def _indices(batch: int, seq: int, topk: int, seed: int) -> torch.Tensor:
