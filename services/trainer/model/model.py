@@ -259,7 +259,7 @@ def build_gpt_model(
         return build_mla_model(
             shape,  # type: ignore[arg-type]
             dtype=dtype, num_layers_per_stage=num_layers_per_stage,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=sequence_parallel, recompute=recompute,
         )
     from megatron.core import parallel_state as ps
 
