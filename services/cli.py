@@ -362,9 +362,10 @@ def _tls_cert(args: argparse.Namespace) -> int:
     from services.common.tls_cert import make_cluster_certs
 
     pair = make_cluster_certs(args.out, args.host, args.days)
-    print(f"CA {pair.ca_file} (clients trust it: redis.tls_ca_file, run.grpc_tls.ca_file)\n"
+    print(f"CA {pair.ca_file} (clients trust it: redis.tls_ca_file, run.grpc_tls.ca_file, "
+          f"run.http_tls.ca_file)\n"
           f"certificate {pair.cert_file} and key {pair.key_file} (mode 0600) for "
-          f"{', '.join(args.host)}: redis.tls_cert_file/tls_key_file, run.grpc_tls")
+          f"{', '.join(args.host)}: redis.tls_cert_file/tls_key_file, run.grpc_tls, run.http_tls")
     return 0
 
 

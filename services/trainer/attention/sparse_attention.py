@@ -14,7 +14,10 @@ as Hugging Face's `GlmMoeDsaAttention` computes it:
 - Only "full" layers (`indexer_types`) run an indexer; each "shared" layer reuses the indices
   of the nearest full layer before it (`TopKSharing`, reset at every decoder forward). A
   pipeline stage must therefore start at a full layer (checked when the model is built).
-- The indices become a boolean mask of the MLA core attention (mla_attention.py).
+- The indices go to the MLA core attention (mla_attention.py) with the layer's latent KV
+  (`AbsorbedKV`): it computes only the selected scores (attention/sparse_mla.py).
+- Under activation recomputation a recomputed full layer runs its indexer again (the same
+  indices); the shared layers read the indices kept per full layer for the whole forward.
 
 The indexer weights stay frozen buffers (weight_map_mla.py carries them): the indexer only
 selects (top-k has no gradient, as in Hugging Face's `@torch.no_grad` indexer); training it
@@ -38,7 +41,7 @@ from torch import Tensor
 
 from services.common.errors import ConfigError
 from services.trainer.attention.context_parallel import gather_sequence, gathered_positions
-from services.trainer.attention.mla_attention import MLACoreAttention, query_positions
+from services.trainer.attention.mla_attention import AbsorbedKV, MLACoreAttention, query_positions
 from services.trainer.model.model_mla import MLAShape
 
 _K_NORM_EPS = 1e-6  # transformers' indexer LayerNorm
@@ -127,13 +130,13 @@ class DSAIndexer(torch.nn.Module):
 
 @dataclass
 class TopKSharing:
-    """The indices of the last full DSA layer this stage ran in the current forward."""
+    """The indices of every full DSA layer this stage ran in the current forward, by layer
+    (kept for the backward's recomputation of the shared layers)."""
 
-    indices: Tensor | None = field(default=None, repr=False)
-    source_layer: int | None = None
+    indices: dict[int, Tensor] = field(default_factory=dict, repr=False)
 
     def reset(self, *_: Any, **__: Any) -> None:
-        self.indices, self.source_layer = None, None
+        self.indices = {}
 
 
 def _gather_tp_sequence(x: Tensor) -> Tensor:
@@ -160,22 +163,34 @@ class DSASelfAttention(MLASelfAttention):  # type: ignore[misc]
                                     **kwargs: Any) -> Any:
         out = super().get_query_key_value_tensors(hidden_states, *args, **kwargs)
         self.core_attention.topk_indices = self._topk(hidden_states, out[3])
+        self.core_attention.absorbed = self._absorbed(out[1], out[4])
         return out
+
+    def _absorbed(self, key: Tensor, latent: Tensor) -> AbsorbedKV:
+        """The latent KV of this call: the normalized latent (gathered over TP under sequence
+        parallelism, as the up projection gathers it) and the roped key rope part (every
+        head's alike, so head 0's)."""
+        if self.config.sequence_parallel and latent.size(0) != key.size(0):
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            latent = gather_from_sequence_parallel_region(latent, tensor_parallel_output_grad=True)
+        k_rope = key[:, :, 0, self.config.qk_head_dim:]
+        return AbsorbedKV(latent, k_rope, self.linear_kv_up_proj.weight)
 
     def _topk(self, hidden: Tensor, q_latent: Tensor) -> Tensor:
         if self.sharing is None:
             raise RuntimeError("DSA attention used before attach_sharing")
         if self.indexer is None:
-            if self.sharing.indices is None or self.sharing.source_layer != self.source:
+            if self.source not in self.sharing.indices:
                 raise RuntimeError(f"DSA layer {self.layer} reuses the top-k of layer"
                                    f" {self.source}, which did not run before it in this forward")
-            return self.sharing.indices
+            return self.sharing.indices[self.source]
         if self.config.sequence_parallel:
             hidden, q_latent = _gather_tp_sequence(hidden), _gather_tp_sequence(q_latent)
         cp = self.pg_collection.cp
         positions = query_positions(hidden.shape[0], cp, hidden.device)
         indices = self.indexer(hidden, q_latent, positions, cp)
-        self.sharing.indices, self.sharing.source_layer = indices, self.layer
+        self.sharing.indices[self.layer] = indices
         return indices
 
 
@@ -201,8 +216,11 @@ def attach_sharing(model: Any, shape: MLAShape) -> None:
             " trainer.parallel.num_layers_per_stage so every stage starts at an indexer layer"
             f" {list(shape.indexer_layers)}"
         )
-    if model.config.recompute_granularity is not None:
-        raise ConfigError("activation recomputation is not supported with DSA attention")
+    if model.config.recompute_granularity == "selective":
+        # A recomputed core attention alone would run without its call's indices; the sparse
+        # attention keeps only its inputs and output for the backward anyway.
+        raise ConfigError("selective (core attention) recomputation is not supported with DSA"
+                          " attention; use trainer.model.recompute_granularity = 'full'")
     sharing = TopKSharing()
     for layer in layers:
         layer.self_attention.sharing = sharing

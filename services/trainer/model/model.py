@@ -260,7 +260,8 @@ def build_gpt_model(
         return build_mla_model(
             shape,  # type: ignore[arg-type]
             dtype=dtype, num_layers_per_stage=num_layers_per_stage,
-            sequence_parallel=sequence_parallel, grouped_experts=grouped_experts,
+            sequence_parallel=sequence_parallel, recompute=recompute,
+            grouped_experts=grouped_experts,
         )
     from megatron.core import parallel_state as ps
 

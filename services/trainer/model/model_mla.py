@@ -125,13 +125,14 @@ class MLAShape(ModelShape):
 
 def mla_transformer_config(shape: MLAShape, *, tp: int, pp: int, cp: int, ep: int,
                            dtype: str, num_layers_per_stage: list[int] | None = None,
-                           sequence_parallel: bool = False) -> Any:
+                           sequence_parallel: bool = False,
+                           recompute: dict[str, Any] | None = None) -> Any:
     """Megatron's MLATransformerConfig: model.py's config plus the MLA and router fields."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     base = transformer_config(shape, tp=tp, pp=pp, cp=cp, ep=ep, dtype=dtype,
                               num_layers_per_stage=num_layers_per_stage,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, recompute=recompute)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     groups = shape.moe_num_groups > 1
     fields.update(
@@ -162,9 +163,12 @@ def mla_transformer_config(shape: MLAShape, *, tp: int, pp: int, cp: int, ep: in
 
 def build_mla_model(shape: MLAShape, *, dtype: str = "float32",
                     num_layers_per_stage: list[int] | None = None,
-                    sequence_parallel: bool = False, grouped_experts: str = "auto") -> Any:
-    """This rank's megatron GPTModel for an MLA `shape`, with the carried DSA/MTP buffers and
-    the MoE layers' experts `grouped_experts` picks (model.moe_experts_spec)."""
+                    sequence_parallel: bool = False,
+                    recompute: dict[str, Any] | None = None,
+                    grouped_experts: str = "auto") -> Any:
+    """This rank's megatron GPTModel for an MLA `shape`, with the carried DSA/MTP buffers
+    (`recompute`: megatron's recompute_* fields) and the MoE layers' experts `grouped_experts`
+    picks (model.moe_experts_spec)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -178,6 +182,7 @@ def build_mla_model(shape: MLAShape, *, dtype: str = "float32",
     config = mla_transformer_config(
         shape, **model_module.parallel_sizes(), dtype=dtype,
         num_layers_per_stage=num_layers_per_stage, sequence_parallel=sequence_parallel,
+        recompute=recompute,
     )  # fmt: skip
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm")
