@@ -20,6 +20,7 @@ import torch
 
 from services.common.errors import InvalidRequest
 from services.engine.config import EngineConfig
+from services.engine.memory_occupation import MemoryOccupation
 from services.engine.metrics import EngineMetrics
 from services.engine.model_runner import ModelRunner
 from services.engine.random_stream import RandomStream
@@ -45,6 +46,7 @@ class Engine:
             Scheduler(rank, self.runner, config, self.metrics, self._version)
             for rank in range(config.dp_size)
         ]
+        self.memory = MemoryOccupation(self.runner, self.schedulers)
         self.paused_mode: str | None = None
         self.block_admission = False
         self._rng = random.Random(config.random_seed)
@@ -147,7 +149,7 @@ class Engine:
         while not self._stopping.is_set():
             self._run_commands()
             busy = False
-            if self.paused_mode is None:
+            if self.paused_mode is None and not self.memory.released:
                 for sched in self.schedulers:
                     busy |= self._step(sched)
             self._publish_gauges()

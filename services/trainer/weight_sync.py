@@ -319,4 +319,8 @@ def build_weight_sync(
         return None
     if config.mode == "direct":
         return DirectEngineWeightSync(config, backend, engine_api_key)
+    if config.mode == "colocated":
+        from services.trainer.weights.weight_ipc import ColocatedWeightSync
+
+        return ColocatedWeightSync(config, engine_api_key)
     return RolloutWeightSync(config, backend, token, tls)

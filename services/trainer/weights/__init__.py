@@ -1,0 +1,1 @@
+"""Moving the trainer's weights to the engines."""

@@ -1,0 +1,132 @@
+"""Colocated weight sync: the trainer hands its tensors to engines on the same GPU (or the same
+host) through CUDA IPC handles, with no collective group.
+
+Per bucket (`bucket_mb`), `ColocatedWeightSender` copies the trainer's gathered, Hugging
+Face-named tensors into one flat buffer of the engine dtype, pickles (name, view) pairs with
+torch's multiprocessing reductions (`tensor_payload.encode`: one IPC handle per buffer) and
+POSTs them to every engine's `/update_weights_from_tensor` (SGLang's contract, load_format
+None), waits for every answer, then frees the buffer. So the extra memory is one bucket. On
+CPU the same path shares the buffer as a shared-memory file (torch's file_system strategy).
+
+It also drives SGLang's `/release_memory_occupation` and `/resume_memory_occupation`, which
+colocated mode calls around the trainer's step. `ColocatedWeightSync` is the trainer's
+`WeightSync` for `weight_sync.mode = "colocated"`: rank 0 sends, the other ranks only drive
+the gathers (weight_sync.py's protocol).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from services.common.engine_contract import bearer
+from services.common.errors import Unavailable
+from services.common.tensor_payload import encode, pack
+from services.trainer.convert import iter_hf_buckets
+from services.trainer.model import ModelShape
+from services.trainer.model_config import WeightSyncConfig
+from services.trainer.weight_sync import WeightSyncReport
+
+log = logging.getLogger(__name__)
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+class ColocatedWeightSender:
+    """Posts shared tensors (and memory release/resume) to a set of engines."""
+
+    def __init__(self, engine_urls: list[str], dtype: torch.dtype, timeout_s: float,
+                 api_key: str | None = None) -> None:
+        self.urls = [u.rstrip("/") for u in engine_urls]
+        self.dtype = dtype
+        self.http = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
+        self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)))
+
+    def _post_all(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        futures = [self.pool.submit(self._post, url, path, body) for url in self.urls]
+        return [future.result() for future in futures]
+
+    def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        reply = self.http.post(f"{url}{path}", json=body)
+        data: dict[str, Any] = reply.json() if reply.content else {}
+        if reply.status_code != 200 or data.get("success") is False:
+            raise Unavailable(f"{url}{path} answered {reply.status_code}: {reply.text[:500]}")
+        return data
+
+    def send_bucket(self, bucket: Bucket, last: bool, version: str | None) -> int:
+        """One bucket to every engine; returns its bytes. The buffer is freed on return."""
+        buffer, views = pack(bucket, self.dtype)
+        try:
+            body = {"serialized_named_tensors": [encode(views)], "flush_cache": last,
+                    "weight_version": version if last else None}
+            self._post_all("/update_weights_from_tensor", body)
+            return buffer.numel() * buffer.element_size()
+        finally:
+            del views, buffer  # every engine has copied: the bucket's memory goes back
+
+    def send(self, buckets: Iterable[Bucket], version: str) -> tuple[int, int, int]:
+        """Every bucket in order (the last one flushes caches and sets `version`); returns
+        (buckets, tensors, bytes)."""
+        num_buckets = num_tensors = num_bytes = 0
+        iterator = iter(buckets)
+        current = next(iterator, None)
+        while current is not None:
+            following = next(iterator, None)
+            num_bytes += self.send_bucket(current, following is None, version)
+            num_buckets, num_tensors = num_buckets + 1, num_tensors + len(current)
+            current = following
+        return num_buckets, num_tensors, num_bytes
+
+    def release(self, tags: list[str] | None = None) -> list[dict[str, Any]]:
+        """Every engine frees the memory of `tags` (None: all); their answers."""
+        return self._post_all("/release_memory_occupation", {"tags": tags})
+
+    def resume(self, tags: list[str] | None = None) -> list[dict[str, Any]]:
+        return self._post_all("/resume_memory_occupation", {"tags": tags})
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.http.close()
+
+
+class ColocatedWeightSync:
+    """The trainer's WeightSync over CUDA IPC: resume the engines' weights, send every
+    bucket, resume their KV cache (a no-op for engines that released nothing)."""
+
+    def __init__(self, config: WeightSyncConfig, api_key: str | None = None) -> None:
+        self.config = config
+        self.dtype = getattr(torch, config.dtype)
+        self.sender = ColocatedWeightSender(config.engine_urls, self.dtype, config.timeout_s,
+                                            api_key)
+
+    def sync(self, model: Any, shape: ModelShape, weight_version: int) -> WeightSyncReport:
+        start = time.monotonic()
+        buckets = iter_hf_buckets(model, shape, self.config.bucket_mb, self.dtype)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            for _ in buckets:  # gathers only
+                pass
+            return WeightSyncReport(weight_version, 0, 0, 0, time.monotonic() - start)
+        try:
+            self.sender.resume(["weights"])
+            counts = self.sender.send(buckets, str(weight_version))
+            self.sender.resume(["kv_cache"])
+        finally:
+            for _ in buckets:  # finish the gathers the other ranks are in, even on failure
+                pass
+        report = WeightSyncReport(weight_version, *counts, time.monotonic() - start)
+        log.info("colocated weight sync v%d: %d buckets, %.1f MB in %.2fs", weight_version,
+                 report.num_buckets, report.num_bytes / 2**20, report.duration_s)
+        return report
+
+    def release(self) -> None:
+        """Before the trainer's step (synchronous colocated mode): engines free everything."""
+        self.sender.release(None)
+
+    def close(self) -> None:
+        self.sender.close()
