@@ -1,12 +1,15 @@
 """Colocated weight sync: the trainer hands its tensors to engines on the same GPU (or the same
 host) through CUDA IPC handles, with no collective group.
 
-Per bucket (`bucket_mb`), `ColocatedWeightSender` copies the trainer's gathered, Hugging
-Face-named tensors into one flat buffer of the engine dtype, pickles (name, view) pairs with
-torch's multiprocessing reductions (`tensor_payload.encode`: one IPC handle per buffer) and
-POSTs them to every engine's `/update_weights_from_tensor` (SGLang's contract, load_format
-None), waits for every answer, then frees the buffer. So the extra memory is one bucket. On
-CPU the same path shares the buffer as a shared-memory file (torch's file_system strategy).
+Per bucket (`bucket_mb`), `ColocatedWeightSender` pickles the trainer's gathered, Hugging
+Face-named tensors of the engine dtype with torch's multiprocessing reductions
+(`tensor_payload.encode`: a CUDA tensor becomes an IPC handle of its allocation, opened once
+per allocation by the engine), POSTs them to every engine's `/update_weights_from_tensor`
+(SGLang's contract, load_format None), waits for every answer, then drops the bucket. CUDA
+tensors of the engine dtype go as they are (the engine's copy into its parameters is the only
+copy); others (another dtype, not contiguous, or on CPU) are first copied into one flat buffer
+of the engine dtype, so the extra memory is at most one bucket. On CPU the buffer is shared as
+a shared-memory file (torch's file_system strategy) and the path is otherwise the same.
 
 It also drives SGLang's `/release_memory_occupation` and `/resume_memory_occupation`, which
 colocated mode calls around the trainer's step. `ColocatedWeightSync` is the trainer's
@@ -61,14 +64,18 @@ class ColocatedWeightSender:
 
     def send_bucket(self, bucket: Bucket, last: bool, version: str | None) -> int:
         """One bucket to every engine; returns its bytes. The buffer is freed on return."""
-        buffer, views = pack(bucket, self.dtype)
+        views = bucket if self._as_is(bucket) else pack(bucket, self.dtype)[1]
         try:
             body = {"serialized_named_tensors": [encode(views)], "flush_cache": last,
                     "weight_version": version if last else None}
             self._post_all("/update_weights_from_tensor", body)
-            return buffer.numel() * buffer.element_size()
+            return sum(t.numel() * t.element_size() for _, t in views)
         finally:
-            del views, buffer  # every engine has copied: the bucket's memory goes back
+            del views  # every engine has copied: the bucket's memory may go back
+
+    def _as_is(self, bucket: Bucket) -> bool:
+        return all(t.device.type == "cuda" and t.dtype == self.dtype and t.is_contiguous()
+                   for _, t in bucket)
 
     def send(self, buckets: Iterable[Bucket], version: str) -> tuple[int, int, int]:
         """Every bucket in order (the last one flushes caches and sets `version`); returns
