@@ -55,8 +55,8 @@ def test_release_queue_resume_and_ipc_update(tmp_path: Path) -> None:
         waiting.start()
         time.sleep(1.0)
         assert not out  # queued while released
-        assert engine.post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}
-                           ).status_code == 409  # weights released: resume them first
+        refused = engine.post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]})
+        assert refused.status_code == 400 and "resume" in refused.json()["message"]
         sender.resume(["weights"])
         named = [(n, t.detach().contiguous()) for n, t in new.state_dict().items()]
         assert sender.send([named[:5], named[5:]], "ipc-1") == (2, len(named), sum(
