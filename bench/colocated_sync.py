@@ -150,6 +150,13 @@ def main() -> None:
             cycle["free_gib_after_resume"] = free_gib(device)
             syncs = [timed(lambda i=i: sender.send(plan, f"v{i}"), device)
                      for i in range(args.repeats)]
+            phases = dict(sender.timings)
+            packer = ColocatedWeightSender([engine.url], torch.bfloat16, timeout_s=600,
+                                           pack_always=True)
+            packed = [timed(lambda i=i: packer.send(plan, f"p{i}"), device)
+                      for i in range(args.repeats)]
+            packed_phases = dict(packer.timings)
+            packer.close()
             flat_src = torch.empty(total, dtype=torch.uint8, device=device)
             flat_dst = torch.empty_like(flat_src)
             copies = [timed(lambda: flat_dst.copy_(flat_src), device)
@@ -176,6 +183,9 @@ def main() -> None:
         "bytes": total, "bucket_mb": args.bucket_mb, "num_buckets": len(plan),
         "repeats": args.repeats, "setup_s": round(setup_s, 1),
         "sync_s": round(sync_s, 4), "syncs_s": [round(s, 4) for s in syncs],
+        "sync_phases_s": {k: round(v, 4) for k, v in phases.items()},
+        "packed_sync_s": round(statistics.median(packed), 4),
+        "packed_sync_phases_s": {k: round(v, 4) for k, v in packed_phases.items()},
         "d2d_copy_flat_s": round(copy_s, 4), "d2d_copy_per_tensor_s": round(tensor_copy_s, 4),
         "sync_over_flat_copy": round(sync_s / copy_s, 2),
         "sync_over_per_tensor_copy": round(sync_s / tensor_copy_s, 2),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import torch
@@ -105,8 +106,10 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
                                  f"got {len(req.serialized_named_tensors)}")
         engine.memory.check_weights_resident()
         # Opening IPC handles or shm files may block: off the event loop.
+        started = time.perf_counter()
         tensors = await asyncio.to_thread(
             tensor_payload.decode, req.serialized_named_tensors[0], req.load_format)
+        opened = time.perf_counter()
         try:
             engine.runner.check_weights(list(tensors), [list(t.shape) for t in tensors.values()])
             async with update_lock:
@@ -120,9 +123,11 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
                     engine.block_admission = False
         finally:
             tensors.clear()  # the sender may free its buffer once we answer
+        loaded = time.perf_counter()
         if req.torch_empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return JSONResponse({"success": True, "message": ok})
+        return JSONResponse({"success": True, "message": ok, "open_s": round(opened - started, 6),
+                             "load_s": round(loaded - opened, 6)})
 
     @app.post("/release_memory_occupation")
     async def release_memory_occupation(request: Request) -> dict[str, Any]:

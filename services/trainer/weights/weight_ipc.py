@@ -45,9 +45,14 @@ class ColocatedWeightSender:
     """Posts shared tensors (and memory release/resume) to a set of engines."""
 
     def __init__(self, engine_urls: list[str], dtype: torch.dtype, timeout_s: float,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, pack_always: bool = False) -> None:
+        """`pack_always`: copy every bucket into one buffer even when its tensors could go as
+        they are (one IPC handle per bucket instead of one per allocation)."""
         self.urls = [u.rstrip("/") for u in engine_urls]
         self.dtype = dtype
+        self.pack_always = pack_always
+        #: seconds of the last send: pickling here, and the engines' opening and loading
+        self.timings: dict[str, float] = {}
         self.http = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)))
 
@@ -64,14 +69,23 @@ class ColocatedWeightSender:
 
     def send_bucket(self, bucket: Bucket, last: bool, version: str | None) -> int:
         """One bucket to every engine; returns its bytes. The buffer is freed on return."""
-        views = bucket if self._as_is(bucket) else pack(bucket, self.dtype)[1]
+        started = time.perf_counter()
+        as_is = not self.pack_always and self._as_is(bucket)
+        views = bucket if as_is else pack(bucket, self.dtype)[1]
         try:
             body = {"serialized_named_tensors": [encode(views)], "flush_cache": last,
                     "weight_version": version if last else None}
-            self._post_all("/update_weights_from_tensor", body)
+            encoded = time.perf_counter()
+            answers = self._post_all("/update_weights_from_tensor", body)
+            self._count("encode_s", encoded - started)
+            self._count("open_s", max(float(a.get("open_s", 0.0)) for a in answers))
+            self._count("load_s", max(float(a.get("load_s", 0.0)) for a in answers))
             return sum(t.numel() * t.element_size() for _, t in views)
         finally:
             del views  # every engine has copied: the bucket's memory may go back
+
+    def _count(self, key: str, seconds: float) -> None:
+        self.timings[key] = self.timings.get(key, 0.0) + seconds
 
     def _as_is(self, bucket: Bucket) -> bool:
         return all(t.device.type == "cuda" and t.dtype == self.dtype and t.is_contiguous()
@@ -81,6 +95,7 @@ class ColocatedWeightSender:
         """Every bucket in order (the last one flushes caches and sets `version`); returns
         (buckets, tensors, bytes)."""
         num_buckets = num_tensors = num_bytes = 0
+        self.timings = {}
         iterator = iter(buckets)
         current = next(iterator, None)
         while current is not None:
