@@ -67,6 +67,13 @@ def _refuse_fd(*_: Any) -> Any:
         "use torch.multiprocessing.set_sharing_strategy('file_system')")
 
 
+class _RefusedFd:
+    """Stands for multiprocessing's DupFd, which a pickle builds as an object."""
+
+    def __new__(cls, *args: Any) -> Any:
+        return _refuse_fd()
+
+
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
     ("torch.multiprocessing.reductions", "rebuild_tensor"): reductions.rebuild_tensor,
@@ -75,6 +82,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
         reductions.rebuild_storage_filename,
     ("torch.multiprocessing.reductions", "rebuild_storage_empty"): reductions.rebuild_storage_empty,
     ("torch.multiprocessing.reductions", "rebuild_storage_fd"): _refuse_fd,
+    ("multiprocessing.resource_sharer", "DupFd"): _RefusedFd,
     ("torch", "Tensor"): torch.Tensor,
     ("torch", "Size"): torch.Size,
     ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
