@@ -71,6 +71,11 @@ class Engine:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     def start(self) -> None:
+        usage = self.memory.usage()
+        log.info("memory: weights %.2f GiB, KV slots %.2f GiB%s", usage["weights_bytes"] / 2**30,
+                 usage["kv_cache_bytes"] / 2**30,
+                 f", CUDA reserved {usage['cuda_reserved_bytes'] / 2**30:.2f} GiB"
+                 if "cuda_reserved_bytes" in usage else "")
         self._thread.start()
 
     def stop(self) -> None:

@@ -76,6 +76,7 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
             "context_length": engine.runner.context_len,
             "weight_version": engine.weight_version,
             "memory_released": sorted(engine.memory.released),
+            "memory_usage": await engine.run(engine.memory.usage),
             "internal_states": states,
             "version": VERSION,
             "sglang_contract": CONTRACT_VERSION[cfg.contract],

@@ -106,6 +106,20 @@ class MemoryOccupation:
         return {"released": sorted(self.released), "allocated_bytes": allocated,
                 "graph_capture_s": round(capture_s, 3)}
 
+    def usage(self) -> dict[str, int]:
+        """The engine's memory split: its weights, its preallocated KV slots and, on CUDA, what
+        its allocator holds in all (graph pools and activations included)."""
+        split = {
+            "weights_bytes": sum(p.numel() * p.element_size()
+                                 for p in self.runner.model.parameters()),
+            "kv_cache_bytes": sum(getattr(getattr(s.batch, "kv", None), "num_bytes", 0)
+                                  for s in self.schedulers),
+        }
+        if self.runner.device.type == "cuda":
+            split["cuda_allocated_bytes"] = int(torch.cuda.memory_allocated(self.runner.device))
+            split["cuda_reserved_bytes"] = int(torch.cuda.memory_reserved(self.runner.device))
+        return split
+
     def check_weights_resident(self) -> None:
         if not self.weights_resident:
             raise Conflict("the weights are released: POST /resume_memory_occupation with tag "

@@ -57,6 +57,8 @@ def test_release_queues_and_resume_with_new_weights(engine: EngineProcess,
     want = greedy(new_model)
     sender = ColocatedWeightSender([engine.url], torch.float32, timeout_s=60)
     assert engine.generate(PROMPT, sampling_params=GREEDY)["output_ids"] != want
+    usage = engine.get("/get_server_info").json()["memory_usage"]
+    assert usage["weights_bytes"] == sum(t.numel() * 4 for t in new_model.parameters())
     released = sender.release(["kv_cache", "weights"])[0]
     assert released["released"] == ["cuda_graph", "kv_cache", "weights"]
     assert released["freed_bytes"] > 0
@@ -66,6 +68,7 @@ def test_release_queues_and_resume_with_new_weights(engine: EngineProcess,
     waiting.start()
     time.sleep(1.0)
     assert not out  # queued while released
+    assert engine.get("/get_server_info").json()["memory_usage"]["weights_bytes"] == 0
     named = [(n, t.detach()) for n, t in new_model.state_dict().items()]
     refused = engine.post("/update_weights_from_tensor",
                           {"serialized_named_tensors": [encode(named[:1])]})
