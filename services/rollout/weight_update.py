@@ -118,6 +118,10 @@ class WeightUpdateCoordinator:
             raise
         self.engines_paused = True
         self.events.engines_paused(m.url for m in members)
+        if begin.colocated:
+            async for event in self._colocated(version, members, requests, record):
+                yield event
+            return
         world_size = 1 + sum(m.ranks for m in members)
         key = (begin.group_name, begin.master_address, begin.master_port, begin.backend,
                tuple((m.url, m.ranks) for m in members))
@@ -137,6 +141,38 @@ class WeightUpdateCoordinator:
                 await self._load_bucket(version, members, begin.group_name, request.bucket)
                 yield pb.WeightUpdateEvent(bucket_loaded=request.bucket.bucket_index)
             elif step == "commit":
+                await self._commit(version, members)
+                record["status"] = "committed"
+                yield pb.WeightUpdateEvent(committed=version)
+                return
+            else:
+                raise InvalidRequest(f"weight update v{version}: unexpected {step} mid-update")
+        raise WeightUpdateFailed(
+            f"weight update v{version}: the trainer ended the stream before Commit after "
+            f"{record['buckets']} buckets")
+
+    async def _colocated(self, version: int, members: list[EngineMember],
+                         requests: AsyncIterator[pb.WeightUpdateRequest],
+                         record: dict[str, Any]) -> AsyncIterator[pb.WeightUpdateEvent]:
+        """No group: resume the engines' weights, post each bucket's shared tensors, resume
+        their KV cache, commit."""
+        client = self.fleet.client
+        await self._all(version, members, "resume_memory_occupation (weights)",
+                        lambda m: client.memory_occupation(m.url, "resume", ["weights"]))
+        yield pb.WeightUpdateEvent(group=pb.WeightUpdateGroup(world_size=0))
+        async for request in requests:
+            step = request.WhichOneof("step")
+            if step == "bucket":
+                check_bucket(request.bucket, record["buckets"], colocated=True)
+                record["buckets"] += 1
+                payload = request.bucket.serialized_named_tensors
+                await self._all(version, members, f"update_weights_from_tensor (bucket "
+                                f"{request.bucket.bucket_index})",
+                                lambda m, p=payload: client.update_weights_from_tensor(m.url, p))
+                yield pb.WeightUpdateEvent(bucket_loaded=request.bucket.bucket_index)
+            elif step == "commit":
+                await self._all(version, members, "resume_memory_occupation (kv_cache)",
+                                lambda m: client.memory_occupation(m.url, "resume", None))
                 await self._commit(version, members)
                 record["status"] = "committed"
                 yield pb.WeightUpdateEvent(committed=version)

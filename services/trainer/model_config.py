@@ -117,10 +117,11 @@ class ParallelConfig(StrictModel):
 class WeightSyncConfig(StrictModel):
     """How new weights reach the engines after a step."""
 
-    mode: Literal["rollout", "direct", "colocated", "off"] = Field(
+    mode: Literal["rollout", "direct", "colocated", "colocated_direct", "off"] = Field(
         "rollout",
-        description="rollout: through Rollout.UpdateWeights; direct: post to engine_urls; "
-        "colocated: CUDA IPC handles posted to engine_urls on this host, no group; off",
+        description="rollout: broadcast through Rollout.UpdateWeights; direct: post to "
+        "engine_urls; colocated: CUDA IPC handles (no group) through Rollout.UpdateWeights; "
+        "colocated_direct: CUDA IPC handles posted to engine_urls on this host; off",
     )
     interval_steps: int = Field(1, ge=1, description="sync after every k-th optimizer step")
     bucket_mb: float = Field(512.0, gt=0, description="size of one broadcast bucket in MiB")
@@ -154,8 +155,8 @@ class WeightSyncConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_targets(self) -> WeightSyncConfig:
-        if self.mode in ("direct", "colocated") and not self.engine_urls:
+        if self.mode in ("direct", "colocated_direct") and not self.engine_urls:
             raise ValueError(f"mode={self.mode} needs engine_urls (the engines' base URLs)")
-        if self.mode == "rollout" and not self.rollout_address:
+        if self.mode in ("rollout", "colocated") and not self.rollout_address:
             raise ValueError("mode=rollout needs rollout_address (host:port of rollout gRPC)")
         return self

@@ -13,8 +13,10 @@ a shared-memory file (torch's file_system strategy) and the path is otherwise th
 
 It also drives SGLang's `/release_memory_occupation` and `/resume_memory_occupation`, which
 colocated mode calls around the trainer's step. `ColocatedWeightSync` is the trainer's
-`WeightSync` for `weight_sync.mode = "colocated"`: rank 0 sends, the other ranks only drive
-the gathers (weight_sync.py's protocol).
+`WeightSync` for `weight_sync.mode = "colocated_direct"` (engines at known URLs, no rollout
+service): rank 0 sends, the other ranks only drive the gathers (weight_sync.py's protocol).
+`weight_sync.mode = "colocated"` goes through the rollout service instead
+(`RolloutWeightSync`, which puts `share_bucket`'s payload into each WeightBucket).
 """
 
 from __future__ import annotations
@@ -39,6 +41,16 @@ from services.trainer.weight_sync import WeightSyncReport
 
 log = logging.getLogger(__name__)
 Bucket = list[tuple[str, torch.Tensor]]
+
+
+def share_bucket(bucket: Bucket, dtype: torch.dtype, pack_always: bool = False
+                 ) -> tuple[str, Bucket]:
+    """The bucket's payload and the tensors it shares (keep them until the engines answer):
+    CUDA tensors of `dtype` as they are, anything else packed into one flat buffer."""
+    as_is = not pack_always and all(
+        t.device.type == "cuda" and t.dtype == dtype and t.is_contiguous() for _, t in bucket)
+    views = bucket if as_is else pack(bucket, dtype)[1]
+    return encode(views), views
 
 
 class ColocatedWeightSender:
@@ -70,10 +82,9 @@ class ColocatedWeightSender:
     def send_bucket(self, bucket: Bucket, last: bool, version: str | None) -> int:
         """One bucket to every engine; returns its bytes. The buffer is freed on return."""
         started = time.perf_counter()
-        as_is = not self.pack_always and self._as_is(bucket)
-        views = bucket if as_is else pack(bucket, self.dtype)[1]
+        payload, views = share_bucket(bucket, self.dtype, self.pack_always)
         try:
-            body = {"serialized_named_tensors": [encode(views)], "flush_cache": last,
+            body = {"serialized_named_tensors": [payload], "flush_cache": last,
                     "weight_version": version if last else None}
             encoded = time.perf_counter()
             answers = self._post_all("/update_weights_from_tensor", body)
@@ -86,10 +97,6 @@ class ColocatedWeightSender:
 
     def _count(self, key: str, seconds: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + seconds
-
-    def _as_is(self, bucket: Bucket) -> bool:
-        return all(t.device.type == "cuda" and t.dtype == self.dtype and t.is_contiguous()
-                   for _, t in bucket)
 
     def send(self, buckets: Iterable[Bucket], version: str) -> tuple[int, int, int]:
         """Every bucket in order (the last one flushes caches and sets `version`); returns
