@@ -165,10 +165,7 @@ class WeightUpdateCoordinator:
             if step == "bucket":
                 check_bucket(request.bucket, record["buckets"], colocated=True)
                 record["buckets"] += 1
-                payload = request.bucket.serialized_named_tensors
-                await self._all(version, members, f"update_weights_from_tensor (bucket "
-                                f"{request.bucket.bucket_index})",
-                                lambda m, p=payload: client.update_weights_from_tensor(m.url, p))
+                await self._load_shared_bucket(version, members, request.bucket)
                 yield pb.WeightUpdateEvent(bucket_loaded=request.bucket.bucket_index)
             elif step == "commit":
                 await self._all(version, members, "resume_memory_occupation (kv_cache)",
@@ -182,6 +179,13 @@ class WeightUpdateCoordinator:
         raise WeightUpdateFailed(
             f"weight update v{version}: the trainer ended the stream before Commit after "
             f"{record['buckets']} buckets")
+
+    async def _load_shared_bucket(self, version: int, members: list[EngineMember],
+                                  bucket: pb.WeightBucket) -> None:
+        payload = bucket.serialized_named_tensors
+        await self._all(version, members,
+                        f"update_weights_from_tensor (bucket {bucket.bucket_index})",
+                        lambda m: self.fleet.client.update_weights_from_tensor(m.url, payload))
 
     @staticmethod
     async def _trainer_joining(requests: AsyncIterator[pb.WeightUpdateRequest],

@@ -12,6 +12,11 @@ import grpc
 
 
 class _NoRouter:
+    """No router: nothing to reconcile, every call is accepted."""
+
+    async def view(self) -> None:
+        return None
+
     async def register(self, url: str) -> None:
         pass
 
