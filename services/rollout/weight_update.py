@@ -151,6 +151,22 @@ class WeightUpdateCoordinator:
             f"weight update v{version}: the trainer ended the stream before Commit after "
             f"{record['buckets']} buckets")
 
+    async def release_memory(self, tags: list[str]) -> pb.ReleaseEngineMemoryReply:
+        """Colocated mode, before a trainer step: every engine frees the memory of `tags`
+        (none: all); refused while an update runs. The next colocated update resumes it."""
+        unknown = sorted(set(tags) - {"kv_cache", "weights", "cuda_graph"})
+        if unknown:
+            raise InvalidRequest(f"tags: unknown memory tag(s) {unknown} (known: kv_cache, "
+                                 "weights, cuda_graph)")
+        if self._busy.locked():
+            raise Conflict("a weight update is in progress")
+        async with self._busy, self.fleet.lock:
+            members = await self.fleet.update_members()
+            freed = await asyncio.gather(*(self.fleet.client.memory_occupation(
+                m.url, "release", tags or None) for m in members))
+        return pb.ReleaseEngineMemoryReply(num_engines=len(members),
+                                           freed_bytes=sum(freed))
+
     async def _colocated(self, version: int, members: list[EngineMember],
                          requests: AsyncIterator[pb.WeightUpdateRequest],
                          record: dict[str, Any]) -> AsyncIterator[pb.WeightUpdateEvent]:

@@ -58,6 +58,9 @@ class RolloutStandIn:
                 async for event in coordinator.run(request_iterator):
                     yield event
 
+            async def ReleaseEngineMemory(self, request: Any, context: Any) -> Any:  # noqa: N802
+                return await coordinator.release_memory(list(request.tags))
+
         self.server = grpc.aio.server()
         rollout_pb2_grpc.add_RolloutServicer_to_server(Servicer(), self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")

@@ -301,6 +301,14 @@ class RolloutWeightSync(_SyncBase):
             raise Conflict(f"rollout committed v{committed}, expected v{version}")
         return num_buckets, num_tensors, num_bytes
 
+    def release_engines(self) -> None:
+        """Colocated mode, before a trainer step: the rollout service's engines free their
+        memory; the next update resumes it."""
+        from services._proto.riptide.v1 import rollout_pb2 as pb
+
+        self.stub.ReleaseEngineMemory(pb.ReleaseEngineMemoryRequest(),
+                                      timeout=self.config.timeout_s)
+
     def needs_weights(self, version: int) -> bool:
         """Whether the rollout service's engines lack weight version `version` (it restarted,
         or an engine came back with its initial weights and waits for an update)."""

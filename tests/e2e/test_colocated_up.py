@@ -16,7 +16,11 @@ from services.common import process
 pytestmark = pytest.mark.slow
 
 
-def test_up_trains_and_syncs_with_the_colocated_weight_sync(tmp_path: Path) -> None:
+@pytest.mark.parametrize("release", [False, True])
+def test_up_trains_and_syncs_with_the_colocated_weight_sync(tmp_path: Path,
+                                                            release: bool) -> None:
+    """With `release`, the engines also free their memory before each step (synchronous
+    colocated training) and each sync resumes it."""
     from services.common.config import dump_config
     from services.local_stack import ensure_tiny_model, local_config
 
@@ -24,7 +28,8 @@ def test_up_trains_and_syncs_with_the_colocated_weight_sync(tmp_path: Path) -> N
     ensure_tiny_model(run_dir)
     config_path = tmp_path / "colocated.toml"
     config_path.write_text(dump_config(local_config(
-        run_dir, {"trainer": {"weight_sync": {"mode": "colocated"}}})))
+        run_dir, {"trainer": {"weight_sync": {"mode": "colocated",
+                                              "release_engines_during_step": release}}})))
     log = tmp_path / "up.log"
     up = process.spawn([sys.executable, "-m", "services.cli", "up", "--dir", str(run_dir),
                         "--config", str(config_path), "--steps", "2"], log_path=log)
@@ -42,3 +47,5 @@ def test_up_trains_and_syncs_with_the_colocated_weight_sync(tmp_path: Path) -> N
     assert "joined weight update group" not in engine_logs  # no group was formed
     # Each colocated update resumed the engine's weights before its buckets.
     assert engine_logs.count("resumed ['weights']") == 2, engine_logs[-3000:]
+    released = engine_logs.count("released ['cuda_graph', 'kv_cache', 'weights']")
+    assert released == (2 if release else 0), engine_logs[-3000:]

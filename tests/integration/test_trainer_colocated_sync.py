@@ -34,7 +34,7 @@ def colocated_worker(rank: int, world_size: int, master_port: int, model_path: s
     from services.trainer.model_config import ParallelConfig, WeightSyncConfig
     from services.trainer.parallel import init_parallel, teardown_parallel
     from services.trainer.weight_sync import RolloutWeightSync, build_weight_sync
-    from services.trainer.weights.weight_ipc import ColocatedWeightSender, ColocatedWeightSync
+    from services.trainer.weights.weight_ipc import ColocatedWeightSync
 
     layout = init_parallel(ParallelConfig(**parallel), rank=rank, world_size=world_size,
                            master_port=master_port)
@@ -46,14 +46,13 @@ def colocated_worker(rank: int, world_size: int, master_port: int, model_path: s
         rollout_address=rollout_address or "unused:1", dtype="float32", bucket_mb=0.05)
     sync = build_weight_sync(config, layout.backend)
     assert isinstance(sync, RolloutWeightSync if rollout_address else ColocatedWeightSync)
-    releaser = ColocatedWeightSender([engine_url], torch.float32, timeout_s=60)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     batch = torch.tensor([PROMPT + [65, 66, 67, 68]])
     rounds = []
     for version in (1, 2):
         released: Any = None
         if rank == 0:
-            releaser.release()
+            sync.release_engines()  # as the trainer does before a step (rollout: an RPC)
             released = httpx.get(f"{engine_url}/get_server_info", timeout=30).json()
         optimizer.zero_grad()
         (-token_logprobs(model, batch).mean()).backward()
@@ -85,7 +84,6 @@ def colocated_worker(rank: int, world_size: int, master_port: int, model_path: s
         before = reference_logprobs(original, torch.tensor([ids]))[0, len(PROMPT):]
         rounds[-1]["original"] = before.tolist()
     sync.close()
-    releaser.close()
     teardown_parallel()
     return rounds
 

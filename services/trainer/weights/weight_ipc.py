@@ -153,7 +153,7 @@ class ColocatedWeightSync:
                  report.num_buckets, report.num_bytes / 2**20, report.duration_s)
         return report
 
-    def release(self) -> None:
+    def release_engines(self) -> None:
         """Before the trainer's step (synchronous colocated mode): engines free everything."""
         self.sender.release(None)
 

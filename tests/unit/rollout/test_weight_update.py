@@ -11,7 +11,7 @@ import pytest
 from services._proto.riptide.v1 import rollout_pb2 as pb
 from services.common.engine_client import EngineCallError
 from services.common.engine_contract import EngineLoad
-from services.common.errors import InvalidRequest
+from services.common.errors import Conflict, InvalidRequest
 from services.rollout.config import FleetConfig, WeightUpdateConfig
 from services.rollout.fleet import EngineFleet
 from services.rollout.router_link import RouterView
@@ -77,8 +77,9 @@ class FakeEngines:
     async def update_weights_from_tensor(self, url: str, payload: str) -> None:
         await self._rec(url, "tensor", payload)
 
-    async def memory_occupation(self, url: str, action: str, tags: list[str] | None) -> None:
+    async def memory_occupation(self, url: str, action: str, tags: list[str] | None) -> int:
         await self._rec(url, action, tags)
+        return 100
 
 
 class FakeRouter:
@@ -506,5 +507,21 @@ def test_a_bucket_must_match_the_transport(colocated: bool, payload: str, messag
         with pytest.raises(InvalidRequest, match=message):
             await _events(coordinator, stream)
         assert not engines.steps("tensor") and not engines.steps("update")
+
+    asyncio.run(main())
+
+
+def test_engines_release_their_memory_between_updates_only() -> None:
+    async def main() -> None:
+        coordinator, engines, router, committed = await _setup()
+        reply = await coordinator.release_memory([])
+        assert (reply.num_engines, reply.freed_bytes) == (3, 300)
+        assert engines.steps("release") == [(u, None) for u in URLS]
+        with pytest.raises(InvalidRequest, match=r"unknown memory tag\(s\) \['gpu'\]"):
+            await coordinator.release_memory(["gpu"])
+        async with coordinator._busy:  # an update in progress
+            with pytest.raises(Conflict, match="in progress"):
+                await coordinator.release_memory(["kv_cache"])
+        assert len(engines.steps("release")) == 3
 
     asyncio.run(main())

@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReleaseEngineMemoryRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseEngineMemoryReply(_message.Message):
+    __slots__ = ("num_engines", "freed_bytes")
+    NUM_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_engines: int
+    freed_bytes: int
+    def __init__(self, num_engines: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
 class WeightUpdateBegin(_message.Message):
     __slots__ = ("weight_version", "master_address", "master_port", "group_name", "backend", "colocated")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
