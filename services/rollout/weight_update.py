@@ -296,7 +296,7 @@ class WeightUpdateCoordinator:
 
     @staticmethod
     async def _all(version: int, members: list[EngineMember], step: str,
-                   call: Callable[[EngineMember], Awaitable[None]]) -> None:
+                   call: Callable[[EngineMember], Awaitable[object]]) -> None:
         """Run `call` on every engine at once; one precise error naming each failure."""
         results = await asyncio.gather(*(call(m) for m in members), return_exceptions=True)
         failures = [(m, r) for m, r in zip(members, results, strict=True)

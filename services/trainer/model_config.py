@@ -166,5 +166,6 @@ class WeightSyncConfig(StrictModel):
             raise ValueError("release_engines_during_step needs mode colocated or "
                              "colocated_direct (the engines share the trainer's devices)")
         if self.mode in ("rollout", "colocated") and not self.rollout_address:
-            raise ValueError("mode=rollout needs rollout_address (host:port of rollout gRPC)")
+            raise ValueError(f"mode={self.mode} needs rollout_address (host:port of rollout "
+                             "gRPC)")
         return self
