@@ -44,6 +44,9 @@ def test_up_trains_and_syncs_with_the_colocated_weight_sync(tmp_path: Path,
     assert summary["mismatch_kl_last_step"] < 1e-3  # the engine holds the trainer's weights
     logs = run_dir / "logs"
     engine_logs = "".join(p.read_text() for p in logs.glob("engine*.log"))
+    rollout_log = (logs / "rollout.log").read_text() if (logs / "rollout.log").exists() else ""
+    assert "memory: weights " in engine_logs  # the budget it generates within, logged by the
+    assert "memory: weights " in rollout_log  # engine and by the fleet that launched it
     assert "joined weight update group" not in engine_logs  # no group was formed
     # Each colocated update resumed the engine's weights before its buckets.
     assert engine_logs.count("resumed ['weights']") == 2, engine_logs[-3000:]
