@@ -60,7 +60,7 @@ def _build_model(vocab: int, hidden: int, layers: int):  # type: ignore[no-untyp
 def run_variant(args: argparse.Namespace) -> dict[str, float]:
     import torch
 
-    from services.trainer.optimizer_stream import MasterAdam
+    from services.trainer.optim.optimizer_stream import MasterAdam
 
     torch.manual_seed(0)
     model = _build_model(args.vocab, args.hidden, args.layers)

@@ -63,8 +63,8 @@ def _groups(args: argparse.Namespace, vocab: int) -> list[Any]:
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from services.trainer.batch import pack_groups
     from services.trainer.config import TrainerConfig
+    from services.trainer.data.batch import pack_groups
     from services.trainer.megatron_policy import build_policy
     from services.trainer.step import train_step
 

@@ -216,7 +216,7 @@ def _case_result(shape: str, case: str, times: list[float], peak: float) -> dict
 def _micro_batch(seqs: list[Any], packed: bool) -> Any:
     import torch
 
-    from services.trainer.batch import MicroBatch
+    from services.trainer.data.batch import MicroBatch
 
     lengths = [len(s) for s in seqs]
     if packed:
@@ -244,15 +244,15 @@ def run_trainer(shape: str, cases: list[str], steps: int, fused_output: str = "a
 
     import torch
 
-    from services.trainer.batch import RolloutBatch
-    from services.trainer.layer_compile import compile_layers
-    from services.trainer.logprobs import token_logprobs
-    from services.trainer.loss import LossSettings
-    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.data.batch import RolloutBatch
+    from services.trainer.model.layer_compile import compile_layers
+    from services.trainer.model.model import ModelShape, build_gpt_model
+    from services.trainer.model.policy import ModelPolicy
     from services.trainer.model_config import ParallelConfig
-    from services.trainer.optimizer_stream import MasterAdam, megatron_no_decay
-    from services.trainer.parallel import init_parallel
-    from services.trainer.policy import ModelPolicy
+    from services.trainer.objective.logprobs import token_logprobs
+    from services.trainer.objective.loss import LossSettings
+    from services.trainer.optim.optimizer_stream import MasterAdam, megatron_no_decay
+    from services.trainer.parallel.parallel import init_parallel
     from services.trainer.step import train_step
 
     init_parallel(ParallelConfig(), rank=0, world_size=1, master_port=29611)
@@ -298,7 +298,7 @@ def run_hf(shape: str, cases: list[str], steps: int, profile_dir: str = "") -> d
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.loss import LossSettings, policy_loss
+    from services.trainer.objective.loss import LossSettings, policy_loss
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
@@ -350,7 +350,7 @@ def optimizer_check() -> dict[str, Any]:
     """The device-resident MasterAdam against the host-resident one, 3 steps, on the GPU."""
     import torch
 
-    from services.trainer.optimizer_stream import MasterAdam
+    from services.trainer.optim.optimizer_stream import MasterAdam
 
     torch.manual_seed(0)
     base = [torch.randn(n, dtype=torch.bfloat16) for n in (4097, 333, 70000)]
@@ -378,7 +378,7 @@ def logprob_kernel_check() -> dict[str, Any]:
     a 151,936 vocabulary at T = 0.8 (forward and gradient max abs differences)."""
     import torch
 
-    from services.trainer import chunked_logprobs, logprob_kernels
+    from services.trainer.objective import chunked_logprobs, logprob_kernels
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = (3 * torch.randn(3000, 151936, device="cuda", generator=gen)).bfloat16()
@@ -399,7 +399,7 @@ def rope_kernel_check() -> dict[str, Any]:
     import torch
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from services.trainer import rope
+    from services.trainer.attention import rope
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     t = torch.randn(8192, 14, 64, device="cuda", generator=gen).bfloat16().requires_grad_()
@@ -424,8 +424,8 @@ def fused_output_check() -> dict[str, Any]:
     differences of the log-probs and of both gradients, and the gradients' scale)."""
     import torch
 
-    from services.trainer.chunked_logprobs import target_logprobs
-    from services.trainer.fused_output import hidden_logprobs
+    from services.trainer.objective.chunked_logprobs import target_logprobs
+    from services.trainer.objective.fused_output import hidden_logprobs
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(3000, 896, device="cuda", generator=gen).bfloat16().requires_grad_()
@@ -451,11 +451,11 @@ def compile_check() -> dict[str, Any]:
     differences, and the scale of what they differ in)."""
     import torch
 
-    from services.trainer.layer_compile import compile_layers
-    from services.trainer.logprobs import token_logprobs
-    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.model.layer_compile import compile_layers
+    from services.trainer.model.model import ModelShape, build_gpt_model
     from services.trainer.model_config import ParallelConfig
-    from services.trainer.parallel import init_parallel
+    from services.trainer.objective.logprobs import token_logprobs
+    from services.trainer.parallel.parallel import init_parallel
 
     init_parallel(ParallelConfig(), rank=0, world_size=1, master_port=29612)
     config = _hf_config("0.5b")

@@ -59,10 +59,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def _step(args: argparse.Namespace, state_dir: str) -> dict[str, Any]:
     import torch
 
-    from services.trainer.batch import RolloutBatch, sequence_micro_batches
     from services.trainer.config import TrainerConfig
-    from services.trainer.loss import LossSettings
+    from services.trainer.data.batch import RolloutBatch, sequence_micro_batches
     from services.trainer.megatron_policy import build_policy
+    from services.trainer.objective.loss import LossSettings
     from services.trainer.step import train_step
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

@@ -69,7 +69,7 @@ def trainer_sync(model_dir: Path, url: str, args: argparse.Namespace) -> dict[st
     from services.trainer.config import TrainerConfig
     from services.trainer.megatron_policy import build_model
     from services.trainer.model_config import WeightSyncConfig
-    from services.trainer.weight_sync import DirectEngineWeightSync
+    from services.trainer.weights.weight_sync import DirectEngineWeightSync
 
     config = TrainerConfig.model_validate({"model": {"hf_path": str(model_dir),
                                                      "dtype": args.dtype}})  # fmt: skip
@@ -88,7 +88,7 @@ def trainer_sync(model_dir: Path, url: str, args: argparse.Namespace) -> dict[st
 
 
 def _hf_tensors(model: Any, shape: Any) -> Any:
-    from services.trainer.convert import iter_hf_tensors
+    from services.trainer.weights.convert import iter_hf_tensors
 
     return iter_hf_tensors(model, shape)
 

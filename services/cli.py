@@ -228,7 +228,7 @@ def _serve(args: argparse.Namespace) -> int:
         serve_engine(config.engine.model_copy(update={"api_key": key}))
         return 0
     if args.service == "trainer" and config.trainer.parallel.launcher == "external":
-        from services.trainer.rank_env import launched_rank
+        from services.trainer.parallel.rank_env import launched_rank
 
         me = launched_rank()
         if me.rank != 0:  # only rank 0 serves; the others follow its commands
@@ -362,9 +362,10 @@ def _tls_cert(args: argparse.Namespace) -> int:
     from services.common.tls_cert import make_cluster_certs
 
     pair = make_cluster_certs(args.out, args.host, args.days)
-    print(f"CA {pair.ca_file} (clients trust it: redis.tls_ca_file, run.grpc_tls.ca_file)\n"
+    print(f"CA {pair.ca_file} (clients trust it: redis.tls_ca_file, run.grpc_tls.ca_file, "
+          f"run.http_tls.ca_file)\n"
           f"certificate {pair.cert_file} and key {pair.key_file} (mode 0600) for "
-          f"{', '.join(args.host)}: redis.tls_cert_file/tls_key_file, run.grpc_tls")
+          f"{', '.join(args.host)}: redis.tls_cert_file/tls_key_file, run.grpc_tls, run.http_tls")
     return 0
 
 

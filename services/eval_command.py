@@ -138,6 +138,6 @@ def _model_dir(settings: EvalSettings, work_dir: Path) -> Path:
     if settings.base is None:
         raise ConfigError(f"{checkpoint} is a trainer checkpoint (no config.json): "
                           "--base must name the model folder it was trained from")
-    from services.trainer.export import export_checkpoint
+    from services.trainer.weights.export import export_checkpoint
 
     return export_checkpoint(checkpoint, settings.base, work_dir / "exported")

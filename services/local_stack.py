@@ -22,6 +22,7 @@ import os
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -185,7 +186,7 @@ class LocalStack:
                     waiting.remove(name)
                     section = getattr(self.config, name)
                     self.say(f"[up] {name:<10} ready  grpc {section.grpc_address}  "
-                             f"admin {section.admin_url}")
+                             f"admin {self.config.run.admin_url(section)}")
             self.check_children(starting=True)
             if waiting and time.monotonic() > deadline:
                 name = waiting[0]
@@ -225,10 +226,11 @@ class LocalStack:
                  f"[redis] username and password of {self.config_path}")
 
     def _probe_ready(self, name: str) -> bool:
-        section = getattr(self.config, name)
-        if _http_ok(f"{section.admin_url}/readyz"):
+        run = self.config.run
+        url = run.admin_url(getattr(self.config, name))
+        if _http_ok(f"{url}/readyz", run.http_verify):
             return True
-        error = _reported_error(section.admin_url, self.config.run.admin_token)
+        error = _reported_error(url, run.admin_token, run.http_verify)
         if error:  # a service that reports a failure while starting will not get better
             raise RiptideError(f"{name} failed while starting: {error}\n"
                                f"last log lines:\n{self.log_tail(name)}")
@@ -285,9 +287,9 @@ class LocalStack:
         self.say(f"[up] saved {num_events} events and {num_episodes} episodes to {path}")
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, verify: ssl.SSLContext | bool = True) -> bool:
     try:
-        return httpx.get(url, timeout=1.0).status_code == 200
+        return httpx.get(url, timeout=1.0, verify=verify).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -300,10 +302,10 @@ def redis_command(binary: str, config: RedisConfig, data_dir: Path) -> list[str]
     return [binary, str(write_server_config(data_dir / CONFIG_NAME, text))]
 
 
-def _reported_error(admin_url: str, token: str) -> str | None:
+def _reported_error(admin_url: str, token: str, verify: ssl.SSLContext | bool = True) -> str | None:
     """The `error` a starting service reports in its admin state, if it reports one."""
     try:
-        resp = httpx.get(f"{admin_url}/admin/state", timeout=1.0,
+        resp = httpx.get(f"{admin_url}/admin/state", timeout=1.0, verify=verify,
                          headers={"Authorization": f"Bearer {token}"})
         details = resp.json().get("details") or {} if resp.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):
@@ -445,8 +447,8 @@ def _trainer_details(config: Any) -> dict[str, Any]:
     """The trainer's admin state details ({} while it cannot say)."""
     headers = {"Authorization": f"Bearer {config.run.admin_token}"}
     try:
-        state = httpx.get(f"{config.trainer.admin_url}/admin/state", headers=headers,
-                          timeout=2.0).json()
+        state = httpx.get(f"{config.run.admin_url(config.trainer)}/admin/state",
+                          headers=headers, timeout=2.0, verify=config.run.http_verify).json()
     except (httpx.HTTPError, ValueError):
         return {}
     return dict(state.get("details") or {})

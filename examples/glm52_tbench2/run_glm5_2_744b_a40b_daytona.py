@@ -478,7 +478,7 @@ def run_eval(config: Any, hf: dict[str, Any], source: str, args: argparse.Namesp
         create_tiny_model(args.model_dir)
     check_eval_files(args)
     if args.served_model != args.checkpoint and not (args.served_model / "config.json").exists():
-        from services.trainer.export import export_checkpoint
+        from services.trainer.weights.export import export_checkpoint
 
         print(f"[recipe] exporting {args.checkpoint} to {args.served_model}", flush=True)
         export_checkpoint(args.checkpoint, args.model_dir, args.served_model,

@@ -1,7 +1,7 @@
 """The steps a trainer checkpoint directory holds, read from its `step-<n>` folder names.
 
 The trainer writes each checkpoint beside its final name and renames it when complete
-(services/trainer/checkpoint.py), so a `step-<n>` folder is a whole checkpoint. Read by
+(services/trainer/weights/checkpoint.py), so a `step-<n>` folder is a whole checkpoint. Read by
 `riptide up` (fresh run or resume), its summary and the benches, which report these steps
 next to the steps they counted so the two can be compared.
 """

@@ -6,6 +6,7 @@ assembled above the services, in services/deployment.py.
 
 from __future__ import annotations
 
+import ssl
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -83,15 +84,25 @@ class TrackingConfig(StrictModel):
         return self.tensorboard_dir is not None or self.wandb_project is not None
 
 
-class GrpcTlsConfig(StrictModel):
-    """TLS of every gRPC port: one certificate for the cluster's nodes and the CA its clients
-    verify it with (`riptide tls-cert` makes both)."""
+class TlsFiles(StrictModel):
+    """A certificate for the cluster's nodes, its key, and the CA clients verify it with
+    (`riptide tls-cert` makes all three)."""
 
     cert_file: str = Field(min_length=1, description="PEM certificate every service serves "
                                                      "(the nodes' names in subjectAltName)")
     key_file: str = Field(min_length=1, description="PEM private key of cert_file (mode 0600)")
     ca_file: str = Field(min_length=1, description="PEM CA certificate clients verify the "
                                                    "services with")
+
+
+class GrpcTlsConfig(TlsFiles):
+    """TLS of every gRPC port: one certificate for the cluster's nodes and the CA its clients
+    verify it with (`riptide tls-cert` makes both)."""
+
+
+class HttpTlsConfig(TlsFiles):
+    """TLS of the services' HTTP listeners: every admin REST port (admin routes, dashboard,
+    /metrics, /readyz) and the router's HTTP front (may be the same files as run.grpc_tls)."""
 
 
 class RunConfig(StrictModel):
@@ -109,6 +120,9 @@ class RunConfig(StrictModel):
         " `riptide up` generates one")
     grpc_tls: GrpcTlsConfig | None = Field(
         None, description="TLS of the services' gRPC ports (None: plaintext, the token only)")
+    http_tls: HttpTlsConfig | None = Field(
+        None, description="TLS of the admin REST ports and the router's HTTP front (None: "
+        "plain HTTP, the bearer tokens only)")
     admin_max_body_kb: int = Field(
         1024, ge=1, le=1 << 20, description="largest admin REST request body (413 above)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")
@@ -117,6 +131,17 @@ class RunConfig(StrictModel):
                                  description="the dashboard's events streams")
     tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig(),
                                      description="metrics export to TensorBoard / W&B")
+
+    def admin_url(self, section: ServiceConfig) -> str:
+        """A service's admin REST base URL: https where http_tls is set."""
+        return f"{'https' if self.http_tls else 'http'}://{section.host}:{section.admin_port}"
+
+    @property
+    def http_verify(self) -> ssl.SSLContext | bool:
+        """What HTTP clients verify the services' certificates with (httpx's `verify`)."""
+        from services.common.tls import client_context
+
+        return client_context(self.http_tls) if self.http_tls else True
 
     @model_validator(mode="after")
     def _tracking_reads_events(self) -> RunConfig:

@@ -16,6 +16,7 @@ fresh connection (the server closed it idle, so it never read the request).
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import cast
@@ -24,6 +25,8 @@ from urllib.parse import urlsplit
 import httptools
 
 _PAUSE_AT = 1 << 20  # buffered response bytes above which reading pauses (a slow reader)
+
+_Key = tuple[str, int, bool]  # host, port, TLS
 
 
 class NotConnected(Exception):
@@ -115,7 +118,8 @@ class _Connection(asyncio.Protocol):
             if self.error is not None:
                 raise self.error
             self.wake.clear()
-            await asyncio.wait_for(self.wake.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task per wait, as wait_for makes
+                await self.wake.wait()
         chunk = self.chunks.popleft()
         self.buffered -= len(chunk)
         if self.paused and self.buffered < _PAUSE_AT // 2 and self.transport is not None:
@@ -135,7 +139,7 @@ class _Connection(asyncio.Protocol):
 class Response:
     """A response whose body is read with `read()` or `chunks()`, then `release()`d."""
 
-    def __init__(self, pool: Http1Client, key: tuple[str, int], conn: _Connection,
+    def __init__(self, pool: Http1Client, key: _Key, conn: _Connection,
                  status: int, read_timeout_s: float) -> None:
         self.status = status
         self._pool, self._key, self._conn = pool, key, conn
@@ -161,12 +165,14 @@ class Http1Client:
 
     def __init__(self, *, connect_timeout_s: float, read_timeout_s: float,
                  max_connections: int, keepalive_s: float = 4.0,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.keepalive_s = keepalive_s
+        self.ssl_context = ssl_context  # what https:// URLs are verified with
         self._extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
-        self._idle: dict[tuple[str, int], deque[tuple[float, _Connection]]] = {}
+        self._idle: dict[_Key, deque[tuple[float, _Connection]]] = {}
         self._max = max_connections
         self._open: set[_Connection] = set()
         self._connecting = 0
@@ -181,16 +187,20 @@ class Http1Client:
                    content_type: str = "application/json") -> Response:
         """POST `body`; returns once the status line and headers arrived."""
         parts = urlsplit(url)
-        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        secure = parts.scheme == "https"
+        if secure and self.ssl_context is None:
+            raise NotConnected(f"{url}: https needs the deployment's CA (run.http_tls)")
+        host, port = parts.hostname or "127.0.0.1", parts.port or (443 if secure else 80)
         head = (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: {content_type}"
                 f"\r\ncontent-length: {len(body)}\r\n").encode()
         data = head + self._extra + b"\r\n" + body
-        key = (host, port)
+        key = (host, port, secure)
         for _ in range(2):
             conn = await self._connection(key)
             conn.send(data)
             try:
-                status = await asyncio.wait_for(conn.head, self.read_timeout_s)
+                async with asyncio.timeout(self.read_timeout_s):
+                    status = await conn.head
             except ConnectionBroke:
                 self._discard(conn)
                 if conn.reused and not conn.got_bytes:
@@ -202,7 +212,7 @@ class Http1Client:
             return Response(self, key, conn, status, self.read_timeout_s)
         raise ConnectionBroke(f"{host}:{port} closed two connections without answering")
 
-    async def _connection(self, key: tuple[str, int]) -> _Connection:
+    async def _connection(self, key: _Key) -> _Connection:
         """An idle connection to `key`, else a new one once fewer than the cap are open
         (closing an idle one to another host if that is what holds the cap)."""
         while True:
@@ -216,7 +226,7 @@ class Http1Client:
                 freed.clear()
                 await freed.wait()
 
-    def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
+    def _take_idle(self, key: _Key) -> _Connection | None:
         now = asyncio.get_running_loop().time()
         idle = self._idle.get(key)
         while idle:
@@ -234,13 +244,14 @@ class Http1Client:
                 return True
         return False
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    async def _connect(self, key: _Key) -> _Connection:
         loop = asyncio.get_running_loop()
         self._connecting += 1
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(
-                lambda: _Connection(self._discard), key[0], key[1]), self.connect_timeout_s)
-        except (OSError, TimeoutError) as exc:
+                lambda: _Connection(self._discard), key[0], key[1],
+                ssl=self.ssl_context if key[2] else None), self.connect_timeout_s)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
             raise NotConnected(f"cannot connect to {key[0]}:{key[1]}: "
                                f"{type(exc).__name__}: {exc}") from exc
         finally:
@@ -249,7 +260,7 @@ class Http1Client:
         self._open.add(conn)
         return conn
 
-    def _give_back(self, key: tuple[str, int], conn: _Connection) -> None:
+    def _give_back(self, key: _Key, conn: _Connection) -> None:
         if conn.reusable() and not conn.chunks:
             self._idle.setdefault(key, deque()).append((asyncio.get_running_loop().time(), conn))
             self._freed_event().set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -215,8 +216,10 @@ class Http1Server:
     """Serves `handler` on host:port (0: a free port) on the running event loop."""
 
     def __init__(self, handler: Handler, host: str, port: int, *,
-                 max_body_bytes: int = 64 << 20, idle_timeout_s: float = 600.0) -> None:
+                 max_body_bytes: int = 64 << 20, idle_timeout_s: float = 600.0,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.ssl_context = ssl_context  # TLS on every connection where set
         self.host, self.port = host, port
         self.max_body_bytes = max_body_bytes
         self.idle_timeout_s = idle_timeout_s
@@ -226,7 +229,7 @@ class Http1Server:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), self.host,
-                                                self.port, backlog=1024)
+                                                self.port, backlog=1024, ssl=self.ssl_context)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:

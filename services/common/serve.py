@@ -65,8 +65,10 @@ async def serve(runtime: ServiceRuntime, section: ServiceConfig, run: Any,
         await grpc_server.server.stop(None)
         raise
     app = build_admin_app(runtime, run.admin_token, run.admin_max_body_kb * 1024)
-    admin = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                          lifespan="off"))
+    tls = run.http_tls
+    admin = uvicorn.Server(uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off",
+        ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None))
     # Signals are ours: the admin server must be the last thing to stop, not the first.
     admin.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]))

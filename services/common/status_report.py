@@ -14,9 +14,9 @@ def collect(config: Any, timeout_s: float = 3.0) -> dict[str, Any]:
     """Each service's /admin/state, or the reason it could not be read."""
     headers = {"Authorization": f"Bearer {config.run.admin_token}"}
     report: dict[str, Any] = {}
-    with httpx.Client(timeout=timeout_s, headers=headers) as client:
+    with httpx.Client(timeout=timeout_s, headers=headers, verify=config.run.http_verify) as client:
         for name in SERVICES:
-            url = getattr(config, name).admin_url
+            url = config.run.admin_url(getattr(config, name))
             try:
                 resp = client.get(f"{url}/admin/state")
             except httpx.HTTPError as exc:

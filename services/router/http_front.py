@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -160,9 +161,9 @@ class HttpFront:
     """The front's server, on the router's event loop."""
 
     def __init__(self, runtime: RouterRuntime, host: str, port: int,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         self.server = Http1Server(build_front(runtime, api_key), host, port,
-                                  idle_timeout_s=600.0)  # fmt: skip
+                                  idle_timeout_s=600.0, ssl_context=ssl_context)  # fmt: skip
         self.port = port
 
     async def start(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from services.common.config import HttpTlsConfig
 from services.common.engine_client import EngineClient
 from services.common.errors import Unavailable
 from services.common.grpc_server import GuardedRegistrar
@@ -35,7 +36,8 @@ class RouterRuntime(ServiceRuntime):
     name = "router"
     tunable_fields = TUNABLE_FIELDS
 
-    def __init__(self, config: RouterConfig, engine_api_key: str | None = None) -> None:
+    def __init__(self, config: RouterConfig, engine_api_key: str | None = None,
+                 http_tls: HttpTlsConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self.tunable = config
@@ -54,6 +56,7 @@ class RouterRuntime(ServiceRuntime):
         self._background: list[asyncio.Task[None]] = []
         self.front: Any = None
         self.engine_api_key = engine_api_key
+        self.http_tls = http_tls  # the HTTP front's TLS (run.http_tls)
 
     def add_to_grpc(self, server: GuardedRegistrar) -> None:
         from services._proto.riptide.v1 import router_pb2_grpc
@@ -70,10 +73,13 @@ class RouterRuntime(ServiceRuntime):
                 self._background.append(asyncio.create_task(self._register_later(url)))
         self.health.start()
         if self.config.http_port is not None:
+            from services.common.tls import server_context
             from services.router.http_front import HttpFront
 
             self.front = HttpFront(self, self.config.listen_host, self.config.http_port,
-                                   api_key=self.engine_api_key)  # fmt: skip
+                                   api_key=self.engine_api_key,
+                                   ssl_context=server_context(self.http_tls)
+                                   if self.http_tls else None)  # fmt: skip
             await self.front.start()
         self._started = True
 
@@ -150,4 +156,5 @@ class RouterRuntime(ServiceRuntime):
 
 def build_runtime(deployment_config: Any) -> RouterRuntime:
     """The router runtime for the deployment's [router] section."""
-    return RouterRuntime(deployment_config.router, deployment_config.run.engine_api_key)
+    return RouterRuntime(deployment_config.router, deployment_config.run.engine_api_key,
+                         deployment_config.run.http_tls)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import os
+import ssl
 
 import orjson
 
@@ -31,12 +32,14 @@ class EngineModelClient:
     URL is the router's HTTP front, which takes the session key as `routing_key`."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None,
-                 routed: bool = False, num_retries: int = 3, max_connections: int = 512) -> None:
+                 routed: bool = False, num_retries: int = 3, max_connections: int = 512,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.url = url.rstrip("/")
         self.routed = routed
         self._num_retries = num_retries
         self._client = Http1Client(connect_timeout_s=5.0, read_timeout_s=timeout_s,
-                                   max_connections=max_connections, headers=bearer(api_key))
+                                   max_connections=max_connections, headers=bearer(api_key),
+                                   ssl_context=ssl_context)
         self._endings: set[asyncio.Task[None]] = set()
 
     async def generate(self, session_key: str, input_ids: list[int],
@@ -44,7 +47,7 @@ class EngineModelClient:
                        routed_experts_start: int | None = None) -> GenerateResult:
         body: dict[str, object] = {
             "input_ids": input_ids, "sampling_params": sampling_params(sampling),
-            "return_logprob": True, "rid": f"{session_key}-{uuid.uuid4().hex[:8]}"}
+            "return_logprob": True, "rid": f"{session_key}-{os.urandom(4).hex()}"}
         if routed_experts_start is not None:
             body.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start)
         if self.routed:

@@ -33,11 +33,14 @@ def gateway_model_client(deployment_config: Any, model: Any) -> Any:
     router = deployment_config.router
     if deployment_config.sandbox.model_client != "router" or not router.http_port:
         return model
+    from services.common.tls import client_context
     from services.sandbox.engine_model_client import EngineModelClient
 
-    return EngineModelClient(f"http://{router.host}:{router.http_port}",
+    tls = deployment_config.run.http_tls
+    return EngineModelClient(f"{'https' if tls else 'http'}://{router.host}:{router.http_port}",
                              deployment_config.sandbox.generate_timeout_s,
-                             deployment_config.run.engine_api_key, routed=True)
+                             deployment_config.run.engine_api_key, routed=True,
+                             ssl_context=client_context(tls) if tls else None)
 
 
 def build_runtime(deployment_config: Any) -> ServiceRuntime:

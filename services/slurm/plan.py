@@ -87,14 +87,15 @@ def render_security(config: Any) -> str:
         lines.append(f"  engines :{s.engine_port} on {s.bind_host}  run.engine_api_key "
                      f"required ({how})")
     channel = "over TLS (run.grpc_tls)" if config.run.grpc_tls else "in plaintext"
+    http = "over TLS (run.http_tls)" if config.run.http_tls else "plain HTTP"
     for name in ("router", "sandbox", "rollout", "trainer"):
         section = getattr(config, name)
         if name == "trainer" and config.rollout.mode == "score":
             continue
         lines.append(f"  {name:<7} gRPC {section.listen_host}:{section.grpc_port} "
                      f"{channel}, run.grpc_token on every call but health checks; admin "
-                     f"{section.listen_host}:{section.admin_port} run.admin_token on /admin/ "
-                     f"(/healthz, /readyz, /metrics open)")
+                     f"{section.listen_host}:{section.admin_port} {http}, run.admin_token on "
+                     f"/admin/ (/healthz, /readyz, /metrics open)")
     if config.rollout.mode != "score":
         sync = config.trainer.weight_sync
         lines.append(f"  trainer rendezvous {config.trainer.host}:{s.trainer_master_port}, weight-"
@@ -102,5 +103,6 @@ def render_security(config: Any) -> str:
                      "that address only (torch.distributed stores have no credential)")
     if config.router.http_port is not None:
         lines.append(f"  router  HTTP front {config.router.listen_host}:"
-                     f"{config.router.http_port} run.engine_api_key (sglang-router's --api-key)")
+                     f"{config.router.http_port} {http}, run.engine_api_key (sglang-router's "
+                     "--api-key)")
     return "\n".join(lines)

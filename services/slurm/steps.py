@@ -27,7 +27,7 @@ class Step:
     nodes: list[str]
     ntasks_per_node: int
     command: list[str]
-    ready_url: str  # http://... answered with 200 when ready, or tcp://host:port
+    ready_url: str  # http(s)://... answered with 200 when ready, or tcp://host:port
     env: dict[str, str] = field(default_factory=dict)
     env_files: dict[str, str] = field(default_factory=dict)  # variable: file with its value
 
@@ -80,9 +80,10 @@ def deployment_steps(config: Any, config_path: Path, python: str = sys.executabl
     for name in ("router", "sandbox"):
         section = getattr(config, name)
         files = dict(s.sandbox_env_files) if name == "sandbox" else {}
-        steps.append(Step(name, head, 1, serve(name), f"{section.admin_url}/readyz",
+        steps.append(Step(name, head, 1, serve(name), f"{config.run.admin_url(section)}/readyz",
                           env_files=files))
-    steps.append(Step("rollout", head, 1, serve("rollout"), f"{config.rollout.admin_url}/readyz"))
+    steps.append(Step("rollout", head, 1, serve("rollout"),
+                      f"{config.run.admin_url(config.rollout)}/readyz"))
     if not scoring:
         steps.append(_trainer_step(config, serve))
     return steps
@@ -165,4 +166,4 @@ def _trainer_step(config: Any, serve: Any) -> Step:
             f"the trainer step has {num_ranks} ranks, which srun starts: set "
             "trainer.parallel.launcher = 'external' (or one trainer node with one rank)")
     return Step("trainer", list(s.trainer_nodes), s.trainer_ranks_per_node, serve("trainer"),
-                f"{trainer.admin_url}/readyz", env)
+                f"{config.run.admin_url(trainer)}/readyz", env)

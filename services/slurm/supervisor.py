@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ class _Running:
     num_restarts: int = 0
 
 
-def _ready(url: str) -> bool:
+def _ready(url: str, verify: ssl.SSLContext | bool = True) -> bool:
     parts = urlsplit(url)
     if parts.scheme == "tcp":
         try:
@@ -46,7 +47,7 @@ def _ready(url: str) -> bool:
         except OSError:
             return False
     try:
-        return httpx.get(url, timeout=2.0).status_code == 200
+        return httpx.get(url, timeout=2.0, verify=verify).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -108,7 +109,8 @@ class Supervisor:
         done = lambda: proc.poll() is not None and scoring_done(  # noqa: E731
             self.config, step.name, proc.returncode)  # scored before the probe saw it ready
         process.wait_until_ready(
-            lambda: self.stopping or _ready(step.ready_url) or done(), proc,
+            lambda: self.stopping or _ready(step.ready_url, self.config.run.http_verify)
+            or done(), proc,
             f"step {step.name}", self.config.slurm.ready_timeout_s,
             lambda: f"probed {step.ready_url}; see {self.log_dir / step.name}.log", 0.5)
 

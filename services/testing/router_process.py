@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 import sys
 import tempfile
 import time
@@ -21,9 +22,10 @@ import httpx
 
 from services._proto.riptide.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common import process
-from services.common.config import GrpcTlsConfig
+from services.common.config import GrpcTlsConfig, HttpTlsConfig
 from services.common.grpc_client import aio_channel, sync_channel
 from services.common.ports import free_ports
+from services.common.tls import client_context
 from services.testing.sim_engine_process import SimEngineProcess
 
 ADMIN_TOKEN = "router-test-admin-token"
@@ -37,13 +39,15 @@ class RouterProcess:
 
     def __init__(self, start_timeout_s: float = 30.0, http_front: bool = False,
                  grpc_token: str | None = None, engine_api_key: str | None = None,
-                 grpc_tls: GrpcTlsConfig | None = None, **settings: Any) -> None:
+                 grpc_tls: GrpcTlsConfig | None = None, http_tls: HttpTlsConfig | None = None,
+                 **settings: Any) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="riptide-router-"))
         grpc_port, admin_port, http_port = free_ports(3)
         router = {"grpc_port": grpc_port, "admin_port": admin_port, **settings}
         if http_front:
             router["http_port"] = http_port
-        self.http_url = f"http://127.0.0.1:{http_port}" if http_front else ""
+        scheme = "https" if http_tls else "http"
+        self.http_url = f"{scheme}://127.0.0.1:{http_port}" if http_front else ""
         lines = ["[run]", f'admin_token = "{ADMIN_TOKEN}"', 'log_format = "text"',
                  'log_level = "warning"']
         if grpc_token:
@@ -54,8 +58,12 @@ class RouterProcess:
             lines.append("[run.grpc_tls]")
             lines += [f"{key} = {json.dumps(value)}"
                       for key, value in grpc_tls.model_dump().items()]
+        if http_tls is not None:
+            lines.append("[run.http_tls]")
+            lines += [f"{key} = {json.dumps(value)}"
+                      for key, value in http_tls.model_dump().items()]
         lines.append("[router]")
-        self.grpc_token, self.grpc_tls = grpc_token, grpc_tls
+        self.grpc_token, self.grpc_tls, self.http_tls = grpc_token, grpc_tls, http_tls
         # JSON scalars and lists of strings are valid TOML values.
         lines += [f"{key} = {json.dumps(value)}" for key, value in router.items()]
         config = self._dir / "router.toml"
@@ -63,8 +71,9 @@ class RouterProcess:
         self.address = f"127.0.0.1:{grpc_port}"
         self._channel: grpc.Channel | None = None
         self._stub: router_pb2_grpc.RouterStub | None = None
-        self.admin_url = f"http://127.0.0.1:{admin_port}"
-        self.admin = httpx.Client(base_url=self.admin_url, timeout=30,
+        self.admin_url = f"{scheme}://127.0.0.1:{admin_port}"
+        self.verify: ssl.SSLContext | bool = client_context(http_tls) if http_tls else True
+        self.admin = httpx.Client(base_url=self.admin_url, timeout=30, verify=self.verify,
                                   headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
         self.proc = process.spawn(
             [sys.executable, "-m", "services.cli", "serve", "router", "--config", str(config)],
@@ -77,7 +86,8 @@ class RouterProcess:
             if self.proc.poll() is not None:
                 break
             try:
-                if httpx.get(f"{self.admin_url}/readyz", timeout=0.5).status_code == 200:
+                if httpx.get(f"{self.admin_url}/readyz", timeout=0.5,
+                             verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -82,11 +82,11 @@ def _trajectory(rollout: dict[str, Any], with_routes: bool, index: int) -> Any:
 def replay_worker(rank: int, world_size: int, master_port: int, model_dir: str,
                   rollouts: list[dict[str, Any]]) -> dict[str, Any]:
     from services._proto.riptide.v1.common_pb2 import Group
-    from services.trainer.batch import pack_groups
     from services.trainer.config import TrainerConfig
-    from services.trainer.loss import LossSettings, mismatch_kl
+    from services.trainer.data.batch import pack_groups
     from services.trainer.megatron_policy import RankAddress, build_policy
-    from services.trainer.policy import logprob_keywords
+    from services.trainer.model.policy import logprob_keywords
+    from services.trainer.objective.loss import LossSettings, mismatch_kl
     from services.trainer.step import train_step
 
     config = TrainerConfig.model_validate({

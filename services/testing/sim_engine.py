@@ -151,7 +151,10 @@ class SimEngine:
         self.fail_status = int(body.get("fail_generate_status", self.fail_status))
         self.fail_count = int(body.get("fail_generate_count", -1 if self.fail_status else 0))
         self.context_len = int(body.get("context_len", self.context_len))
-        return 200, {"fail_health": self.fail_health, "fail_generate_status": self.fail_status,
+        self.args.decode_s_per_token = float(
+            body.get("decode_s_per_token", self.args.decode_s_per_token))
+        return 200, {"decode_s_per_token": self.args.decode_s_per_token,
+                     "fail_health": self.fail_health, "fail_generate_status": self.fail_status,
                      "context_len": self.context_len}
 
     async def get_last_request(self, body: dict[str, Any]) -> tuple[int, Any]:

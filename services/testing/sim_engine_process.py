@@ -39,7 +39,8 @@ class SimEngineProcess(ChildServer):
 
     def control(self, **settings: Any) -> dict[str, Any]:
         """POST /sim/control: fail_health, fail_generate_status, fail_generate_count,
-        context_len (prompts of at least that many tokens are refused as SGLang does; 0: off)."""
+        context_len (prompts of at least that many tokens are refused as SGLang does; 0: off),
+        decode_s_per_token."""
         return dict(httpx.post(f"{self.url}/sim/control", json=settings, timeout=5).json())
 
     def last_request(self) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Speaks the protocol (Begin -> group -> Bucket/broadcast -> bucket_loaded ... -> Commit ->
 committed) and, as rank 0 of the weight-update group over gloo, broadcasts the given tensors
-by their Hugging Face names. The real trainer does the same in services/trainer/weight_sync.py.
+by their Hugging Face names. The real trainer does the same in
+services/trainer/weights/weight_sync.py.
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ from services.common.config import ServiceConfig, StrictModel
 from services.trainer.model_config import ModelConfig, ParallelConfig, WeightSyncConfig
 
 if TYPE_CHECKING:
-    from services.trainer.loss import LossSettings
+    from services.trainer.objective.loss import LossSettings
 
 
 class LossConfig(StrictModel):
-    """The policy-gradient objective (see services/trainer/loss.py)."""
+    """The policy-gradient objective (see services/trainer/objective/loss.py)."""
 
     normalize_advantage_std: bool = Field(
         True, description="divide group-relative advantages by the group's reward std"
@@ -37,7 +37,9 @@ class LossConfig(StrictModel):
         "on for MoE models where the layout supports it (no pipeline or context parallelism)")
 
     def settings(self) -> LossSettings:
-        from services.trainer.loss import LossSettings  # torch stays out of config parsing
+        from services.trainer.objective.loss import (
+            LossSettings,  # torch stays out of config parsing
+        )
 
         return LossSettings(self.clip_eps_low, self.clip_eps_high, self.tis_cap, self.kl_coef)
 

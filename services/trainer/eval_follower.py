@@ -17,7 +17,7 @@ import redis
 
 from services.common.config import RedisConfig
 from services.common.events import EventTail
-from services.trainer.stats import TrainerStats
+from services.trainer.objective.stats import TrainerStats
 
 log = logging.getLogger(__name__)
 

@@ -28,14 +28,14 @@ from typing import Any
 import torch
 
 from services.common.events import EventPublisher
-from services.trainer.batch import RolloutBatch
-from services.trainer.checkpoint import Checkpointer, TrainerState
 from services.trainer.config import TrainerConfig
-from services.trainer.data import GroupStream, Recovery
+from services.trainer.data.batch import RolloutBatch
+from services.trainer.data.data import GroupStream, Recovery
+from services.trainer.model.policy import LogprobSource, Policy
+from services.trainer.objective.stats import StepRecord, TrainerStats
 from services.trainer.pipeline_step import train_step_for
-from services.trainer.policy import LogprobSource, Policy
-from services.trainer.stats import StepRecord, TrainerStats
 from services.trainer.step import DataShard
+from services.trainer.weights.checkpoint import Checkpointer, TrainerState
 
 #: Pushes the policy's weights to the engines as the given weight version.
 WeightSyncFn = Callable[[int], Any]

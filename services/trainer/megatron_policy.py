@@ -20,10 +20,10 @@ from typing import Any
 
 from services.common.errors import ConfigError
 from services.trainer.config import TrainerConfig
+from services.trainer.model.policy import FrozenModel, ModelPolicy
 from services.trainer.model_config import ParallelConfig
-from services.trainer.optimizer_shard import CombinedOptimizer
-from services.trainer.optimizer_stream import MasterAdam, megatron_no_decay
-from services.trainer.policy import FrozenModel, ModelPolicy
+from services.trainer.optim.optimizer_shard import CombinedOptimizer
+from services.trainer.optim.optimizer_stream import MasterAdam, megatron_no_decay
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,9 @@ def build_model(
     `ranks` places this process in a multi-rank world; without it the torchrun environment
     (RANK, WORLD_SIZE, ...) does, or a world of one."""
     from services.common.ports import free_port
-    from services.trainer.convert import load_hf_checkpoint
-    from services.trainer.model import ModelShape, load_hf_config
-    from services.trainer.parallel import init_parallel, resolve_backend
+    from services.trainer.model.model import ModelShape, load_hf_config
+    from services.trainer.parallel.parallel import init_parallel, resolve_backend
+    from services.trainer.weights.convert import load_hf_checkpoint
 
     if not config.model.hf_path:
         raise ConfigError("trainer.model.hf_path is empty; point it at a Hugging Face folder")
@@ -105,8 +105,8 @@ def build_model(
 def configured_model(config: TrainerConfig, shape: Any) -> Any:
     """model.build_gpt_model for `shape` with the configured dtype, layout, attention backend
     and activation recomputation, its layers compiled as `compile_layers` says."""
-    from services.trainer.layer_compile import compile_layers, should_compile
-    from services.trainer.model import build_gpt_model
+    from services.trainer.model.layer_compile import compile_layers, should_compile
+    from services.trainer.model.model import build_gpt_model
 
     model = build_gpt_model(
         shape, dtype=config.model.dtype, num_layers_per_stage=config.parallel.num_layers_per_stage,
@@ -139,8 +139,8 @@ def build_optimizer(
         return adam(named, state_dir, None)
     from megatron.core import parallel_state as ps
 
-    from services.trainer.grad_norm import is_expert_param
-    from services.trainer.optimizer_shard import state_shard
+    from services.trainer.optim.grad_norm import is_expert_param
+    from services.trainer.optim.optimizer_shard import state_shard
 
     dense = [(n, p) for n, p in named if not is_expert_param(p)]
     expert = [(n, p) for n, p in named if is_expert_param(p)]
@@ -171,7 +171,7 @@ def routing_replay(config: TrainerConfig, shape: Any, layout: Any, model: Any) -
             raise ConfigError(f"trainer.loss.routing_replay = true: {message}; set it to false")
         log.warning("%s: MoE layers route by themselves", message)
         return None
-    from services.trainer.routing_replay import RoutingReplay
+    from services.trainer.model.routing_replay import RoutingReplay
 
     return RoutingReplay(model, shape)
 
@@ -179,18 +179,18 @@ def routing_replay(config: TrainerConfig, shape: Any, layout: Any, model: Any) -
 def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> BuiltPolicy:
     """The megatron policy with its optimizer, as configured."""
 
-    from services.trainer.grad_norm import (
+    from services.trainer.objective.logprobs import token_logprobs
+    from services.trainer.optim.grad_norm import (
         all_reduce_data_parallel_grads,
         clip_model_parallel_grad_norm,
     )
-    from services.trainer.logprobs import token_logprobs
 
     if config.cpu_threads:
         import torch
 
         torch.set_num_threads(config.cpu_threads)
     if config.host_mmap_threshold_mb is not None:
-        from services.trainer.host_malloc import fix_mmap_threshold
+        from services.trainer.optim.host_malloc import fix_mmap_threshold
 
         fix_mmap_threshold(int(config.host_mmap_threshold_mb * 2**20))
     model, shape, layout, backend = build_model(config, ranks)
@@ -207,7 +207,7 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
         fused = config.model.fused_output_logprobs == "on"
         logprob_fn = functools.partial(token_logprobs, fused=fused)
     if layout.cp_size > 1:
-        from services.trainer.context_parallel import cp_token_logprobs
+        from services.trainer.attention.context_parallel import cp_token_logprobs
 
         logprob_fn = cp_token_logprobs
     temperature = config.sampling_temperature
@@ -215,7 +215,7 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
                          temperature, routing_replay(config, shape, layout, model))  # fmt: skip
     reference = None
     if config.loss.kl_coef > 0:
-        from services.trainer.convert import load_hf_checkpoint
+        from services.trainer.weights.convert import load_hf_checkpoint
 
         ref_model = configured_model(config, shape)
         load_hf_checkpoint(ref_model, shape, config.loss.reference_hf_path or config.model.hf_path)

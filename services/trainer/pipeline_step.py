@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from services.trainer.batch import MicroBatch, RolloutBatch
-from services.trainer.logprobs import stage_forward, stage_logprobs
-from services.trainer.loss import LossSettings, policy_loss
+from services.trainer.data.batch import MicroBatch, RolloutBatch
+from services.trainer.model.policy import LogprobSource, Policy
 from services.trainer.model_config import ParallelConfig
-from services.trainer.policy import LogprobSource, Policy
+from services.trainer.objective.logprobs import stage_forward, stage_logprobs
+from services.trainer.objective.loss import LossSettings, policy_loss
 from services.trainer.step import (
     DataShard,
     add_weighted,

@@ -22,10 +22,10 @@ from typing import Any
 import torch.distributed as dist
 
 from services.common import process
-from services.trainer.batch import MicroBatch
 from services.trainer.config import TrainerConfig
-from services.trainer.parallel import check_sizes
-from services.trainer.policy import ModelPolicy
+from services.trainer.data.batch import MicroBatch
+from services.trainer.model.policy import ModelPolicy
+from services.trainer.parallel.parallel import check_sizes
 
 _CONTROL_TIMEOUT = timedelta(days=365)
 

@@ -30,7 +30,7 @@ from services.common.grpc_server import GuardedRegistrar
 from services.common.service import ServiceRuntime, status_message
 from services.trainer.config import TrainerConfig
 from services.trainer.eval_follower import EvalFollower
-from services.trainer.stats import TrainerStats
+from services.trainer.objective.stats import TrainerStats
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +118,10 @@ class TrainerRuntime(ServiceRuntime):
     def _build_loop(self) -> Any:
         from services.common.buffer import SampleBuffer
         from services.common.ports import free_port
-        from services.trainer.checkpoint import Checkpointer
-        from services.trainer.data import GroupStream
+        from services.trainer.data.data import GroupStream
         from services.trainer.loop import TrainerLoop
         from services.trainer.megatron_policy import RankAddress, build_policy
-        from services.trainer.rank_env import launched_rank
+        from services.trainer.parallel.rank_env import launched_rank
         from services.trainer.ranks import (
             ControlChannel,
             RankedPolicy,
@@ -131,7 +130,8 @@ class TrainerRuntime(ServiceRuntime):
             launch_workers,
             service_world_size,
         )
-        from services.trainer.weight_sync import build_weight_sync
+        from services.trainer.weights.checkpoint import Checkpointer
+        from services.trainer.weights.weight_sync import build_weight_sync
 
         c = self.config
         self.stats.set_phase("building")

@@ -109,10 +109,10 @@ def train_sft(sequences: list[tuple[list[int], list[int]]], config: SftConfig, o
     returns the run's figures (losses by step, tokens, wall time, paths)."""
     import torch
 
-    from services.trainer.batch import sequence_micro_batches
-    from services.trainer.checkpoint import Checkpointer, TrainerState
-    from services.trainer.export import write_hf_folder
+    from services.trainer.data.batch import sequence_micro_batches
     from services.trainer.megatron_policy import build_policy
+    from services.trainer.weights.checkpoint import Checkpointer, TrainerState
+    from services.trainer.weights.export import write_hf_folder
 
     started = time.monotonic()
     trainer = _trainer_config(config, out / "checkpoints")

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.trainer.batch import MicroBatch, RolloutBatch
-from services.trainer.lockstep import lockstep_share
-from services.trainer.loss import LossSettings, policy_loss
-from services.trainer.policy import LogprobSource, Policy
+from services.trainer.data.batch import MicroBatch, RolloutBatch
+from services.trainer.data.lockstep import lockstep_share
+from services.trainer.model.policy import LogprobSource, Policy
+from services.trainer.objective.loss import LossSettings, policy_loss
 
 
 def _split(items: list[MicroBatch], parts: int) -> list[list[MicroBatch]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from services.trainer.config import TrainerConfig
 from services.trainer.megatron_policy import RankAddress
-from services.trainer.rank_env import LaunchedRank
+from services.trainer.parallel.rank_env import LaunchedRank
 
 log = logging.getLogger("services.trainer.worker")
 
@@ -26,8 +26,7 @@ def run_worker(config: TrainerConfig, address: RankAddress) -> None:
     """Build this rank's policy, then execute commands until Stop."""
     import torch
 
-    from services.trainer.batch import RolloutBatch
-    from services.trainer.convert import iter_hf_buckets
+    from services.trainer.data.batch import RolloutBatch
     from services.trainer.megatron_policy import build_policy
     from services.trainer.pipeline_step import train_step_for
     from services.trainer.ranks import (
@@ -40,6 +39,7 @@ def run_worker(config: TrainerConfig, address: RankAddress) -> None:
         save_shard,
         shard_dir,
     )
+    from services.trainer.weights.convert import iter_hf_buckets
 
     rank, world_size = address.rank, address.world_size
     built = build_policy(config, address)

@@ -28,7 +28,7 @@ from services.common import process
 from services.common.ports import free_port
 from services.deployment import load_config
 from services.testing.slurm_cluster import SlurmCluster, missing_programs
-from services.trainer.checkpoint import Checkpointer
+from services.trainer.weights.checkpoint import Checkpointer
 
 # 1-3 minutes on two idle cores: Slurm, six services, two steps, a trainer restart, a step.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]

@@ -34,7 +34,7 @@ from services.router.registry import EngineRegistry
 from services.router.servicer import generate_body
 from services.testing.engine_process import EngineProcess, tiny_model_path
 from services.testing.weight_broadcaster import load_state_dict, update_request
-from services.trainer.weight_sync import DirectEngineWeightSync
+from services.trainer.weights.weight_sync import DirectEngineWeightSync
 
 pytestmark = pytest.mark.slow
 

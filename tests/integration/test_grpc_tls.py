@@ -15,16 +15,14 @@ import pytest
 from services._proto.riptide.v1 import common_pb2, router_pb2_grpc
 from services.common.config import GrpcTlsConfig
 from services.common.grpc_client import sync_channel
-from services.common.tls_cert import make_cluster_certs
+from services.testing.loopback_tls import loopback_tls
 from services.testing.router_process import RouterProcess
 
 TOKEN = "grpc-token-over-tls"
 
 
 def _tls(out: Path) -> GrpcTlsConfig:
-    pair = make_cluster_certs(out, ["127.0.0.1", "localhost"])
-    return GrpcTlsConfig(cert_file=str(pair.cert_file), key_file=str(pair.key_file),
-                         ca_file=str(pair.ca_file))
+    return loopback_tls(out, GrpcTlsConfig)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ max_turns and at the deadline, and a failure is a HarnessError (never a silent o
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -36,8 +37,8 @@ SOLVE = ("sed -i -e 's/^port = .*/port = 8080/' -e 's/^debug = .*/debug = false/
 KEY, MODEL = "episode-key-1", "riptide-policy"
 
 
-def _terminus2_command(command: str, complete: bool = False) -> str:
-    keystrokes = [{"keystrokes": command + "\n", "duration": 0.5}] if command else []
+def _terminus2_command(command: str, complete: bool = False, duration: float = 0.5) -> str:
+    keystrokes = [{"keystrokes": command + "\n", "duration": duration}] if command else []
     return json.dumps({"analysis": "looking at the task", "plan": "run it",
                        "commands": keystrokes, "task_complete": complete})
 
@@ -142,6 +143,8 @@ def test_harness_stops_at_the_deadline(provider: LocalProvider, harness: str,
                                        tmp_path: Path) -> None:
     _require_extra(harness)
     command, _ = SCRIPTS[harness]
+    if harness == "terminus2":  # keystrokes do not block: the harness waits their duration
+        command = functools.partial(_terminus2_command, duration=30.0)
     with OpenAIStandIn(lambda request: command("sleep 120"), api_key=KEY, model=MODEL) as server:
         started = time.monotonic()
         outcome, _, _ = _episode(provider, harness, server, tmp_path, seconds=6)

@@ -20,8 +20,8 @@ def shard_worker(rank: int, world_size: int, master_port: int, disk: bool) -> di
     import torch
     import torch.distributed as dist
 
-    from services.trainer.optimizer_shard import state_shard
-    from services.trainer.optimizer_stream import MasterAdam
+    from services.trainer.optim.optimizer_shard import state_shard
+    from services.trainer.optim.optimizer_stream import MasterAdam
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=60))  # fmt: skip

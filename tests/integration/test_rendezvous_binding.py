@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from services.common import weight_group
 from services.trainer.model_config import ParallelConfig
-from services.trainer.parallel import init_parallel
+from services.trainer.parallel.parallel import init_parallel
 
 rank, pg_port, wg_port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 init_parallel(ParallelConfig(backend="gloo"), rank=rank, world_size=2,

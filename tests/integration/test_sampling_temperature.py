@@ -21,7 +21,7 @@ def trainer_kls(rank: int, world_size: int, master_port: int, model: str,
     """For each (temperature, engine samples): the mismatch KL of the engine's log-probs
     against the policy's of a trainer configured with that sampling temperature."""
     from services.common.ports import free_port
-    from services.trainer.parallel import teardown_parallel
+    from services.trainer.parallel.parallel import teardown_parallel
 
     kls = []
     for temperature, samples in cases:
@@ -34,10 +34,10 @@ def _trainer_kl(model: str, temperature: float, samples: list[dict[str, Any]],
                 port: int) -> float:
     import torch
 
-    from services.trainer.batch import MicroBatch
     from services.trainer.config import TrainerConfig
-    from services.trainer.loss import mismatch_kl
+    from services.trainer.data.batch import MicroBatch
     from services.trainer.megatron_policy import RankAddress, build_policy
+    from services.trainer.objective.loss import mismatch_kl
 
     config = TrainerConfig.model_validate({"model": {"hf_path": model, "dtype": "float32"},
                                            "sampling_temperature": temperature})

@@ -28,13 +28,13 @@ def colocated_worker(rank: int, world_size: int, master_port: int, model_path: s
     import torch.distributed as dist
 
     from services.testing.hf_models import reference_logprobs
-    from services.trainer.convert import load_hf_checkpoint
-    from services.trainer.logprobs import token_logprobs
-    from services.trainer.model import ModelShape, build_gpt_model, load_hf_config
+    from services.trainer.model.model import ModelShape, build_gpt_model, load_hf_config
     from services.trainer.model_config import ParallelConfig, WeightSyncConfig
-    from services.trainer.parallel import init_parallel, teardown_parallel
-    from services.trainer.weight_sync import RolloutWeightSync, build_weight_sync
+    from services.trainer.objective.logprobs import token_logprobs
+    from services.trainer.parallel.parallel import init_parallel, teardown_parallel
+    from services.trainer.weights.convert import load_hf_checkpoint
     from services.trainer.weights.weight_ipc import ColocatedWeightSync
+    from services.trainer.weights.weight_sync import RolloutWeightSync, build_weight_sync
 
     layout = init_parallel(ParallelConfig(**parallel), rank=rank, world_size=world_size,
                            master_port=master_port)

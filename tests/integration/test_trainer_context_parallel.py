@@ -16,14 +16,14 @@ def context_parallel_worker(rank: int, world_size: int, master_port: int) -> dic
     import torch
 
     from services.testing.hf_models import random_hf_model, reference_logprobs
-    from services.trainer import weight_map
-    from services.trainer.context_parallel import cp_token_logprobs
-    from services.trainer.convert import iter_hf_tensors, load_hf_weights
-    from services.trainer.grad_norm import all_reduce_data_parallel_grads
-    from services.trainer.logprobs import token_logprobs
-    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.attention.context_parallel import cp_token_logprobs
+    from services.trainer.model.model import ModelShape, build_gpt_model
     from services.trainer.model_config import ParallelConfig
-    from services.trainer.parallel import init_parallel, teardown_parallel
+    from services.trainer.objective.logprobs import token_logprobs
+    from services.trainer.optim.grad_norm import all_reduce_data_parallel_grads
+    from services.trainer.parallel.parallel import init_parallel, teardown_parallel
+    from services.trainer.weights import weight_map
+    from services.trainer.weights.convert import iter_hf_tensors, load_hf_weights
 
     hf = random_hf_model("qwen2", num_layers=2, num_heads=4, num_kv_heads=2)
     shape = ModelShape.from_hf(hf.config)

@@ -9,7 +9,7 @@ from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, 
 from services.common.buffer import SampleBuffer
 from services.common.config import RedisConfig
 from services.common.redis_connect import connect
-from services.trainer.data import GroupStream
+from services.trainer.data.data import GroupStream
 
 
 def _group(i: int) -> Group:

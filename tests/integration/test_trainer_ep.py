@@ -22,7 +22,7 @@ NUM_MINIBATCHES = 2
 
 def _batches(vocab: int) -> list[Any]:
     from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
-    from services.trainer.batch import pack_groups
+    from services.trainer.data.batch import pack_groups
 
     gen = torch.Generator().manual_seed(7)
     batches = []
@@ -63,10 +63,10 @@ def _train(
     """Train NUM_STEPS steps and write the final state and the exported Hugging Face tensors
     to `out`; returns each step's metrics. With `restore`, checkpoint this rank's shard
     before the last step, then restore it and check the last step comes out the same."""
-    from services.trainer.convert import iter_hf_tensors
     from services.trainer.megatron_policy import RankAddress, build_policy
-    from services.trainer.parallel import teardown_parallel
+    from services.trainer.parallel.parallel import teardown_parallel
     from services.trainer.step import train_step
+    from services.trainer.weights.convert import iter_hf_tensors
 
     def state() -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in built.model.state_dict().items() if v is not None}

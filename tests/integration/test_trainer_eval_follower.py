@@ -8,7 +8,7 @@ from services.common.config import EventsConfig, RedisConfig
 from services.common.events import EventPublisher
 from services.common.metrics import render
 from services.trainer.eval_follower import EvalFollower
-from services.trainer.stats import TrainerStats
+from services.trainer.objective.stats import TrainerStats
 
 
 def publish_and_flush(

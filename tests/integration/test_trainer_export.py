@@ -17,9 +17,9 @@ def make_checkpoint(rank: int, world_size: int, master_port: int, base: str,
     import torch
 
     from services.trainer.config import TrainerConfig
-    from services.trainer.convert import iter_hf_tensors
     from services.trainer.megatron_policy import build_model
-    from services.trainer.policy import MODEL_FILE
+    from services.trainer.model.policy import MODEL_FILE
+    from services.trainer.weights.convert import iter_hf_tensors
 
     config = TrainerConfig.model_validate({"model": {"hf_path": base, "dtype": "float32"}})
     model, shape, _, _ = build_model(config)
@@ -35,7 +35,7 @@ def export(rank: int, world_size: int, master_port: int, base: str, checkpoint: 
            out: str) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    from services.trainer.export import export_checkpoint
+    from services.trainer.weights.export import export_checkpoint
 
     folder = export_checkpoint(Path(checkpoint), Path(base), Path(out))
     tensors = load_file(str(folder / "model.safetensors"))

@@ -26,10 +26,10 @@ def _run(model: Any, layout: str, ids: Any, weights: Any, cu: list[int] | None =
     sum of them, the gradients made whole across ranks as the policy's step does."""
     import torch
 
-    from services.trainer.batch import MicroBatch
-    from services.trainer.context_parallel import cp_token_logprobs
-    from services.trainer.grad_norm import all_reduce_data_parallel_grads
-    from services.trainer.logprobs import token_logprobs
+    from services.trainer.attention.context_parallel import cp_token_logprobs
+    from services.trainer.data.batch import MicroBatch
+    from services.trainer.objective.logprobs import token_logprobs
+    from services.trainer.optim.grad_norm import all_reduce_data_parallel_grads
     from services.trainer.pipeline_step import run_schedule
 
     if layout == "pp2":
@@ -81,10 +81,10 @@ def fused_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]
     import torch
 
     from services.testing.hf_models import random_hf_model
-    from services.trainer.convert import load_hf_weights
-    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.model.model import ModelShape, build_gpt_model
     from services.trainer.model_config import ParallelConfig
-    from services.trainer.parallel import init_parallel, teardown_parallel
+    from services.trainer.parallel.parallel import init_parallel, teardown_parallel
+    from services.trainer.weights.convert import load_hf_weights
 
     dense = random_hf_model("qwen2", num_layers=2, num_heads=4, num_kv_heads=2)
     moe = random_hf_model("qwen2_moe", num_layers=2)

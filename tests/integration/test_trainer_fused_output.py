@@ -16,12 +16,12 @@ def fused_output_worker(rank: int, world_size: int, master_port: int) -> dict[st
     import torch
 
     from services.testing.hf_models import random_hf_model
-    from services.trainer import fused_output
-    from services.trainer.convert import load_hf_weights
-    from services.trainer.logprobs import token_logprobs
-    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.model.model import ModelShape, build_gpt_model
     from services.trainer.model_config import ParallelConfig
-    from services.trainer.parallel import init_parallel, teardown_parallel
+    from services.trainer.objective import fused_output
+    from services.trainer.objective.logprobs import token_logprobs
+    from services.trainer.parallel.parallel import init_parallel, teardown_parallel
+    from services.trainer.weights.convert import load_hf_weights
 
     fused_output.DEFAULT_CHUNK_TOKENS = 7  # several chunks per row
     gen = torch.Generator().manual_seed(5)

@@ -27,7 +27,7 @@ from services.common.buffer import SampleBuffer
 from services.common.config import RedisConfig
 from services.common.ports import free_ports
 from services.testing.trainer_groups import scored_group
-from services.trainer.checkpoint import STATE_FILE, Checkpointer
+from services.trainer.weights.checkpoint import STATE_FILE, Checkpointer
 
 NUM_STEPS = 2
 

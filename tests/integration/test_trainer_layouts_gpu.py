@@ -33,7 +33,7 @@ LAYOUTS: dict[str, tuple[str, dict[str, int]]] = {
 
 def _batches(vocab: int) -> list[Any]:
     from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
-    from services.trainer.batch import pack_groups
+    from services.trainer.data.batch import pack_groups
 
     gen = torch.Generator().manual_seed(11)
     batches = []
@@ -56,10 +56,10 @@ def _batches(vocab: int) -> list[Any]:
 
 def _train(model_dir: str, parallel: dict[str, int], rank: int, world: int, port: int) -> Any:
     from services.trainer.config import TrainerConfig
-    from services.trainer.convert import iter_hf_tensors
     from services.trainer.megatron_policy import RankAddress, build_policy
-    from services.trainer.parallel import teardown_parallel
+    from services.trainer.parallel.parallel import teardown_parallel
     from services.trainer.pipeline_step import train_step_for
+    from services.trainer.weights.convert import iter_hf_tensors
 
     config = TrainerConfig.model_validate({
         "rollout_batch_size": 2, "num_minibatches": 2,

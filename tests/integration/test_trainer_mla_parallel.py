@@ -17,14 +17,14 @@ def mla_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]:
     import torch
 
     from services.testing.hf_models import random_hf_model, reference_logprobs
-    from services.trainer import weight_map
-    from services.trainer.context_parallel import cp_token_logprobs
-    from services.trainer.convert import iter_hf_tensors, load_hf_weights
-    from services.trainer.logprobs import pipelined_token_logprobs, token_logprobs
-    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.attention.context_parallel import cp_token_logprobs
+    from services.trainer.model.model import ModelShape, build_gpt_model
     from services.trainer.model_config import ParallelConfig
-    from services.trainer.parallel import init_parallel, teardown_parallel
-    from services.trainer.weight_map_mla import MTP_PREFIX, carried_rules
+    from services.trainer.objective.logprobs import pipelined_token_logprobs, token_logprobs
+    from services.trainer.parallel.parallel import init_parallel, teardown_parallel
+    from services.trainer.weights import weight_map
+    from services.trainer.weights.convert import iter_hf_tensors, load_hf_weights
+    from services.trainer.weights.weight_map_mla import MTP_PREFIX, carried_rules
 
     results: dict[str, Any] = {}
     # Plain TP=2 with dense layers only (megatron runs MoE layers under TP only with sequence

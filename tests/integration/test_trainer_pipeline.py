@@ -22,7 +22,7 @@ def _batches(max_tokens: int) -> list[Any]:
     import torch
 
     from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
-    from services.trainer.batch import pack_groups
+    from services.trainer.data.batch import pack_groups
 
     batches = []
     for step in range(NUM_STEPS):
@@ -80,8 +80,8 @@ def pipeline_worker(rank: int, world_size: int, master_port: int, model_path: st
     from megatron.core import parallel_state as ps
 
     from services.common.ports import free_port
-    from services.trainer.convert import iter_hf_tensors
-    from services.trainer.parallel import teardown_parallel
+    from services.trainer.parallel.parallel import teardown_parallel
+    from services.trainer.weights.convert import iter_hf_tensors
 
     built, pp_metrics = _train(rank, world_size, master_port, model_path, pp=2)
     assert built.shard is not None and built.shard.size == 2
@@ -108,7 +108,7 @@ def pipeline_worker(rank: int, world_size: int, master_port: int, model_path: st
 
 
 def _initial(model_path: str) -> dict[str, Any]:
-    from services.trainer.convert import SafetensorsFolder
+    from services.trainer.weights.convert import SafetensorsFolder
 
     return dict(SafetensorsFolder(model_path))
 

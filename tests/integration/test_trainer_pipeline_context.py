@@ -23,7 +23,7 @@ def _batches() -> list[Any]:
     import torch
 
     from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
-    from services.trainer.batch import pack_groups
+    from services.trainer.data.batch import pack_groups
 
     batches = []
     for step in range(2):
@@ -71,9 +71,9 @@ def pipeline_context_worker(
     import torch
 
     from services.common.ports import free_port
-    from services.trainer.convert import SafetensorsFolder, iter_hf_tensors
-    from services.trainer.logprobs import pipelined_token_logprobs, token_logprobs
-    from services.trainer.parallel import teardown_parallel
+    from services.trainer.objective.logprobs import pipelined_token_logprobs, token_logprobs
+    from services.trainer.parallel.parallel import teardown_parallel
+    from services.trainer.weights.convert import SafetensorsFolder, iter_hf_tensors
 
     out: dict[str, Any] = {}
     parallel = {"pipeline_parallel": 2, "context_parallel": 2, "num_layers_per_stage": STAGES}
@@ -154,13 +154,13 @@ def mla_stages_worker(rank: int, world_size: int, master_port: int) -> dict[str,
     import torch
 
     from services.testing.hf_models import random_hf_model, reference_logprobs
-    from services.trainer import weight_map
-    from services.trainer.convert import iter_hf_tensors, load_hf_weights
-    from services.trainer.logprobs import pipelined_token_logprobs
-    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.model.model import ModelShape, build_gpt_model
     from services.trainer.model_config import ParallelConfig
-    from services.trainer.parallel import init_parallel, teardown_parallel
-    from services.trainer.weight_map_mla import MTP_PREFIX, carried_rules
+    from services.trainer.objective.logprobs import pipelined_token_logprobs
+    from services.trainer.parallel.parallel import init_parallel, teardown_parallel
+    from services.trainer.weights import weight_map
+    from services.trainer.weights.convert import iter_hf_tensors, load_hf_weights
+    from services.trainer.weights.weight_map_mla import MTP_PREFIX, carried_rules
 
     init_parallel(ParallelConfig(pipeline_parallel=2), rank=rank, world_size=world_size,
                   master_port=master_port)  # fmt: skip

@@ -23,12 +23,12 @@ from services.common.buffer import SampleBuffer
 from services.common.config import RedisConfig
 from services.common.ports import free_ports
 from services.testing.trainer_groups import scored_group
-from services.trainer.checkpoint import STATE_FILE, Checkpointer
 from services.trainer.config import TrainerConfig
-from services.trainer.data import GroupStream
+from services.trainer.data.data import GroupStream
 from services.trainer.loop import TrainerLoop
-from services.trainer.optimizer_stream import MasterAdam
-from services.trainer.policy import ModelPolicy
+from services.trainer.model.policy import ModelPolicy
+from services.trainer.optim.optimizer_stream import MasterAdam
+from services.trainer.weights.checkpoint import STATE_FILE, Checkpointer
 
 ADMIN = "admin-token-123"
 RUN = "restart"
@@ -193,6 +193,6 @@ def test_restart_after_an_unsaved_sync_pushes_the_checkpoint_under_a_new_version
 
 
 def _state_at_step_zero():  # type: ignore[no-untyped-def]
-    from services.trainer.checkpoint import TrainerState
+    from services.trainer.weights.checkpoint import TrainerState
 
     return TrainerState()

@@ -28,7 +28,7 @@ LAYOUTS = {  # name: (architecture, its overrides, parallel section)
 
 def _batches(vocab: int) -> list[Any]:
     from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
-    from services.trainer.batch import pack_groups
+    from services.trainer.data.batch import pack_groups
 
     gen = torch.Generator().manual_seed(11)
     batches = []
@@ -63,10 +63,10 @@ def _config(model_dir: str, parallel: dict[str, Any]) -> Any:
 def _train(config: Any, rank: int, world_size: int, master_port: int) -> dict[str, Any]:
     """Log-probs of the first batch, then NUM_STEPS steps: the metrics and the exported
     (TP- and EP-gathered) Hugging Face tensors."""
-    from services.trainer.convert import iter_hf_tensors
     from services.trainer.megatron_policy import RankAddress, build_policy
-    from services.trainer.parallel import teardown_parallel
+    from services.trainer.parallel.parallel import teardown_parallel
     from services.trainer.step import train_step
+    from services.trainer.weights.convert import iter_hf_tensors
 
     built = build_policy(config, RankAddress(rank, world_size, "127.0.0.1", master_port))
     batches = _batches(built.shape.vocab_size)

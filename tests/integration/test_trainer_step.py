@@ -21,7 +21,7 @@ def _fixed_batch(vocab: int) -> Any:
     import torch
 
     from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
-    from services.trainer.batch import pack_groups
+    from services.trainer.data.batch import pack_groups
 
     gen = torch.Generator().manual_seed(3)
     entries = []
@@ -45,10 +45,10 @@ def _against_megatron_optimizer(shape: Any, hf: Any) -> list[float]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from services.trainer.convert import load_hf_weights
-    from services.trainer.logprobs import token_logprobs
-    from services.trainer.model import build_gpt_model
-    from services.trainer.optimizer_stream import MasterAdam
+    from services.trainer.model.model import build_gpt_model
+    from services.trainer.objective.logprobs import token_logprobs
+    from services.trainer.optim.optimizer_stream import MasterAdam
+    from services.trainer.weights.convert import load_hf_weights
 
     models = []
     for _ in range(2):
@@ -89,15 +89,15 @@ def step_worker(rank: int, world_size: int, master_port: int) -> dict[str, Any]:
     import torch
 
     from services.testing.hf_models import random_hf_model
-    from services.trainer.convert import load_hf_weights
-    from services.trainer.logprobs import token_logprobs
-    from services.trainer.loss import LossSettings, policy_loss
-    from services.trainer.model import ModelShape, build_gpt_model
+    from services.trainer.model.model import ModelShape, build_gpt_model
+    from services.trainer.model.policy import ModelPolicy
     from services.trainer.model_config import ParallelConfig
-    from services.trainer.optimizer_stream import MasterAdam
-    from services.trainer.parallel import init_parallel
-    from services.trainer.policy import ModelPolicy
+    from services.trainer.objective.logprobs import token_logprobs
+    from services.trainer.objective.loss import LossSettings, policy_loss
+    from services.trainer.optim.optimizer_stream import MasterAdam
+    from services.trainer.parallel.parallel import init_parallel
     from services.trainer.step import train_step
+    from services.trainer.weights.convert import load_hf_weights
 
     init_parallel(ParallelConfig(), rank=rank, world_size=world_size, master_port=master_port)
     hf = random_hf_model("llama")

@@ -19,12 +19,12 @@ from services.common.buffer import SampleBuffer
 from services.common.config import RedisConfig
 from services.common.errors import Unavailable
 from services.testing.trainer_groups import scored_group
-from services.trainer.checkpoint import Checkpointer
 from services.trainer.config import TrainerConfig
-from services.trainer.data import GroupStream
+from services.trainer.data.data import GroupStream
 from services.trainer.loop import TrainerLoop
-from services.trainer.optimizer_stream import MasterAdam
-from services.trainer.policy import ModelPolicy
+from services.trainer.model.policy import ModelPolicy
+from services.trainer.optim.optimizer_stream import MasterAdam
+from services.trainer.weights.checkpoint import Checkpointer
 
 RUN = "syncfaults"
 

@@ -28,7 +28,7 @@ from services.common.config import RedisConfig
 from services.common.ports import free_ports
 from services.testing.proc_tree import alive, descendants
 from services.testing.trainer_groups import scored_group
-from services.trainer.checkpoint import STATE_FILE, Checkpointer
+from services.trainer.weights.checkpoint import STATE_FILE, Checkpointer
 
 ADMIN = "admin-token-tp"
 NUM_STEPS = 3
@@ -268,10 +268,10 @@ def hf_logprobs_worker(
     from transformers import AutoModelForCausalLM
 
     from services.testing.hf_models import reference_logprobs
-    from services.trainer.convert import iter_hf_tensors
-    from services.trainer.model import ModelShape, build_gpt_model, load_hf_config
+    from services.trainer.model.model import ModelShape, build_gpt_model, load_hf_config
     from services.trainer.model_config import ParallelConfig
-    from services.trainer.parallel import init_parallel, teardown_parallel
+    from services.trainer.parallel.parallel import init_parallel, teardown_parallel
+    from services.trainer.weights.convert import iter_hf_tensors
 
     init_parallel(ParallelConfig(), rank=rank, world_size=world_size, master_port=master_port)
     shape = ModelShape.from_hf(load_hf_config(model_path))

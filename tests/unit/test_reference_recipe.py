@@ -162,7 +162,7 @@ def test_plan_prints_steps_config_memory_and_what_riptide_lacks() -> None:
 
 
 def test_the_trainer_accepts_the_reference_layout_on_its_32_ranks() -> None:
-    from services.trainer.parallel import check_sizes
+    from services.trainer.parallel.parallel import check_sizes
     from services.trainer.ranks import service_world_size
 
     ranks = len(DEFAULT.slurm.trainer_nodes) * DEFAULT.slurm.trainer_ranks_per_node

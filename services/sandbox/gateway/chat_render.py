@@ -1,13 +1,19 @@
 """A chat request's prompt as token ids, with the episode's own assistant turns spliced in.
 
 The model's chat template renders the messages on our side. Every assistant message that is
-one of the gateway's own replies of this episode (same text and tool calls, in order) is not
+one of the gateway's own replies of this episode (same text and tool calls) is not
 re-rendered: a sentinel stands in its place, and the ids the engine generated for it go there.
 So a harness that sends its history back unchanged extends the episode's tokens exactly, even
 where re-encoding the reply's text would give other ids (a byte-pair split the engine did not
 sample) or where the template would render the turn otherwise (dropped reasoning, its own
 tool-call format). A message that is not one of our replies is rendered as sent: the
 trajectory then opens a new segment (services/sandbox/token_trace.py).
+
+Which history is "ours" is judged against the assistant turns of the previous call plus its
+reply, in order: after a harness rewrote its history once (a summary, a fresh start), the
+calls that extend the rewritten history are ours again. Replies are matched by position in
+that history first, then by fingerprint anywhere in the episode (a summary that keeps a
+reply verbatim still gets its generated ids).
 
 Pieces of rendered text between sentinels are encoded on their own and cached per episode:
 a call re-encodes only what is new.
@@ -54,19 +60,22 @@ def reply_fingerprint(content: str | None, tool_calls: list[dict[str, Any]] | No
 
 @dataclass(frozen=True)
 class Reply:
-    """One reply the gateway gave in this episode: how to recognize it, and its ids."""
+    """An assistant turn of a history: how to recognize it, and the ids the engine generated
+    for it (None: a turn the harness wrote, rendered from its text)."""
 
     fingerprint: str
-    ids: list[int]
+    ids: list[int] | None
 
 
 @dataclass(frozen=True)
 class RenderedPrompt:
-    """A call's prompt ids, and whether its history was the episode's own."""
+    """A call's prompt ids, its assistant turns, and whether its history was the one expected."""
 
     ids: list[int]
-    #: Every assistant message was one of our replies, in order, and none was left out.
+    #: The assistant messages were the expected history's, in order, and none was left out.
     history_is_ours: bool
+    #: Its assistant turns, in order, as rendered (with the ids spliced in, where any).
+    assistants: list[Reply]
 
 
 class ChatRenderer:
@@ -96,32 +105,41 @@ class ChatRenderer:
         return ids
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               replies: list[Reply]) -> RenderedPrompt:
-        """The prompt of a chat call, our replies spliced in as the engine generated them."""
+               history: list[Reply], known: dict[str, list[int]] | None = None,
+               ) -> RenderedPrompt:
+        """The prompt of a chat call, our replies spliced in as the engine generated them.
+        `history`: the assistant turns expected (the previous call's and its reply); `known`:
+        the ids of every reply of the episode by fingerprint."""
         substituted: list[dict[str, Any]] = []
         spliced: list[list[int]] = []
+        assistants: list[Reply] = []
         ours = True
         for message in messages:
             if message.get("role") != "assistant":
                 substituted.append(message)
                 continue
-            index = len(spliced)
+            position = len(assistants)
             fingerprint = reply_fingerprint(message.get("content"), message.get("tool_calls"))
-            if ours and index < len(replies) and replies[index].fingerprint == fingerprint:
-                substituted.append({"role": "assistant", "content": _SENTINEL.format(index)})
-                spliced.append(self._without_end_of_turn(replies[index].ids))
+            if ours and position < len(history) and history[position].fingerprint == fingerprint:
+                ids = history[position].ids
             else:
                 ours = False
+                ids = known.get(fingerprint) if known else None
+            assistants.append(Reply(fingerprint, ids))
+            if ids is None:
                 substituted.append(message)
-        if len(spliced) < len(replies):
-            ours = False  # the harness left some of our replies out of its history
+                continue
+            substituted.append({"role": "assistant", "content": _SENTINEL.format(len(spliced))})
+            spliced.append(self._without_end_of_turn(ids))
+        if len(assistants) < len(history):
+            ours = False  # the harness left some turns out of its history
         text = self._apply(substituted, tools)
-        ids: list[int] = []
+        ids_out: list[int] = []
         for index, reply_ids in enumerate(spliced):
             before, text = text.split(_SENTINEL.format(index), 1)
-            ids += self.encode(before) + reply_ids
-        ids += self.encode(text)
-        return RenderedPrompt(ids, ours)
+            ids_out += self.encode(before) + reply_ids
+        ids_out += self.encode(text)
+        return RenderedPrompt(ids_out, ours, assistants)
 
     def _apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         if self._compiled is not None:

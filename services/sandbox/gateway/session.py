@@ -34,6 +34,7 @@ SEGMENTS = metrics.counter("riptide_gateway_segments_opened_total",
                            "segments opened after an episode's first, by cause", ("cause",))
 REFUSED = metrics.counter("riptide_gateway_refused_total", "gateway calls refused, by code",
                           ("code",))
+_APPENDED, _GENERATED = TOKENS.labels("appended"), TOKENS.labels("generated")
 
 HISTORY_REWRITTEN = "history_rewritten"
 TEMPLATE_MISMATCH = "template_mismatch"
@@ -86,11 +87,11 @@ class GatewayStats:
 
     def appended(self, count: int) -> None:
         self.tokens_appended += count
-        TOKENS.labels("appended").inc(count)
+        _APPENDED.inc(count)
 
     def generated(self, count: int) -> None:
         self.tokens_generated += count
-        TOKENS.labels("generated").inc(count)
+        _GENERATED.inc(count)
 
     def segment_opened(self, cause: str) -> None:
         self.segments_opened[cause] += 1
@@ -124,7 +125,10 @@ class GatewaySession:
         self.stats = stats
         self.parse_tools = parse_tools
         self.trace = SegmentedTrace(route_shape=route_shape)
-        self.replies: list[Reply] = []
+        # The assistant turns the next chat call's history should hold (the last call's and
+        # its reply), and every reply's ids by fingerprint.
+        self.history: list[Reply] = []
+        self.replies: dict[str, list[int]] = {}
         self.num_calls = 0
         self.limit_hit = ""  # the finish_reason of a cap the harness ran into
         self.aborted = False  # the engine aborted a call: the episode gets no verdict
@@ -147,9 +151,14 @@ class GatewaySession:
         """Answer a chat completion: render, match, generate, record."""
         async with self._lock:
             self._check_call()
-            rendered = self.renderer.render(messages, tools, self.replies)
+            rendered = self.renderer.render(messages, tools, self.history, self.replies)
             cause = HISTORY_REWRITTEN if not rendered.history_is_ours else TEMPLATE_MISMATCH
-            return await self._call(rendered.ids, cause, request, messages=True)
+            outcome = await self._call(rendered.ids, cause, request, messages=True)
+            ids = list(outcome.result.output_ids)
+            fingerprint = reply_fingerprint(outcome.parsed.content, outcome.parsed.tool_calls)
+            self.replies[fingerprint] = ids
+            self.history = [*rendered.assistants, Reply(fingerprint, ids)]
+            return outcome
 
     async def complete(self, prompt: str | list[int], request: dict[str, Any]) -> CallOutcome:
         """Answer a plain completion: a prompt that starts with the text so far reuses its ids."""
@@ -205,9 +214,9 @@ class GatewaySession:
             self.stats.appended(len(ids) - known)
         started = time.monotonic()
         try:
-            result = await asyncio.wait_for(
-                self.model.generate(self.episode_id, ids, params, self._routes_start()),
-                max(0.001, self.limits.deadline - started))
+            async with asyncio.timeout(max(0.001, self.limits.deadline - started)):
+                result = await self.model.generate(self.episode_id, ids, params,
+                                                   self._routes_start())
         except TimeoutError:
             self._refuse(GatewayLimit(f"episode {self.episode_id} ran out of wall time while "
                                       "generating", 408, "episode_wall_time_exceeded",
@@ -229,9 +238,6 @@ class GatewaySession:
             [i for i in result.output_ids if i not in self.renderer.end_of_turn_ids],
             skip_special_tokens=True)
         parsed = parse_reply(text, self.parse_tools) if messages else ParsedReply(text)
-        if messages:
-            self.replies.append(Reply(reply_fingerprint(parsed.content, parsed.tool_calls),
-                                      list(result.output_ids)))
         self.turns.append({"assistant": text, "commands": [], "observation": ""})
         return CallOutcome(text, parsed, result, len(ids))
 

@@ -14,7 +14,7 @@ a shared-memory file (torch's file_system strategy) and the path is otherwise th
 It also drives SGLang's `/release_memory_occupation` and `/resume_memory_occupation`, which
 colocated mode calls around the trainer's step. `ColocatedWeightSync` is the trainer's
 `WeightSync` for `weight_sync.mode = "colocated_direct"` (engines at known URLs, no rollout
-service): rank 0 sends, the other ranks only drive the gathers (weight_sync.py's protocol).
+service): rank 0 sends, the other ranks only drive the gathers (weights/weight_sync.py's protocol).
 `weight_sync.mode = "colocated"` goes through the rollout service instead
 (`RolloutWeightSync`, which puts `share_bucket`'s payload into each WeightBucket).
 """
@@ -34,10 +34,10 @@ import torch.distributed as dist
 from services.common.engine_contract import bearer
 from services.common.errors import Unavailable
 from services.common.tensor_payload import encode, pack
-from services.trainer.convert import iter_hf_buckets
-from services.trainer.model import ModelShape
+from services.trainer.model.model import ModelShape
 from services.trainer.model_config import WeightSyncConfig
-from services.trainer.weight_sync import WeightSyncReport
+from services.trainer.weights.convert import iter_hf_buckets
+from services.trainer.weights.weight_sync import WeightSyncReport
 
 log = logging.getLogger(__name__)
 Bucket = list[tuple[str, torch.Tensor]]

@@ -120,3 +120,22 @@ def test_a_deployment_without_one_of_its_secrets_is_refused(
     setattr(getattr(config, section), key, None)
     with pytest.raises(ConfigError, match=f"needs its secrets: set {says}"):
         deployment_steps(config, tmp_path / "deploy.toml")
+
+
+def test_with_http_tls_the_steps_are_probed_and_shown_over_https(tmp_path: Path) -> None:
+    from services.common.config import HttpTlsConfig
+    from services.slurm.plan import render_security
+
+    config, plain_steps, _ = _plan(tmp_path)
+    assert "plain HTTP" in render_security(config)
+    tls = HttpTlsConfig(cert_file="/tls/server.pem", key_file="/tls/server-key.pem",
+                        ca_file="/tls/ca.pem")
+    config = config.model_copy(update={"run": config.run.model_copy(update={"http_tls": tls})})
+    steps = deployment_steps(config, tmp_path / "deploy.toml")
+    services = ("router", "sandbox", "rollout", "trainer")  # engines serve their own HTTP
+    probes = {s.name: s.ready_url for s in steps if s.name in services}
+    assert set(probes) == set(services)
+    assert all(url.startswith("https://") and url.endswith("/readyz") for url in probes.values())
+    assert all(s.ready_url.startswith("http://") for s in plain_steps if s.name in services)
+    shown = render_security(config)
+    assert "plain HTTP" not in shown and "over TLS (run.http_tls)" in shown

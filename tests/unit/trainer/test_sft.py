@@ -10,7 +10,7 @@ import pytest
 
 from services.common.config import validate_section
 from services.common.errors import ConfigError, InvalidRequest
-from services.trainer.batch import sequence_micro_batches
+from services.trainer.data.batch import sequence_micro_batches
 from services.trainer.sft import SftConfig, batches, load_sequences
 
 

@@ -90,6 +90,41 @@ def test_a_rewritten_history_opens_a_second_segment_with_its_cause() -> None:
     assert s.stats.segments_opened == {"history_rewritten": 1}
 
 
+def test_calls_that_extend_a_rewritten_history_stay_in_its_segment() -> None:
+    # A harness that starts over (or summarizes) once, then goes on from there: one new
+    # segment, not one per call. (Matching against the episode's first replies would call
+    # every later call a rewrite.)
+    # 0xC3 alone decodes to U+FFFD, which re-encodes as other ids: only splicing keeps them.
+    odd = [0xC3, ord("b"), EOT]
+    model = RecordingModel([[ord("a"), EOT], odd, odd, [ord("d"), EOT]])
+    s = session(model)
+    chat(s, [{"role": "user", "content": "hi"}])
+    restart = [{"role": "user", "content": "start over"}]
+    second = chat(s, restart)
+    restart += [{"role": "assistant", "content": second.text}, {"role": "user", "content": "go"}]
+    third = chat(s, restart)
+    restart += [{"role": "assistant", "content": third.text}, {"role": "user", "content": "on"}]
+    chat(s, restart)
+    assert [seg.cause for seg in s.trace.segments] == ["", "history_rewritten"]
+    assert s.stats.segments_opened == {"history_rewritten": 1}
+    assert s.trace.segments[1].ids == model.calls[3][1] + [ord("d"), EOT]
+    assert s.trace.segments[1].ids[:len(model.calls[2][1]) + 3] == model.calls[2][1] + odd
+
+
+def test_a_summary_that_keeps_a_reply_verbatim_gets_its_generated_ids() -> None:
+    model = RecordingModel([[ord("a"), EOT], [0xC3, ord("b"), EOT], [ord("c"), EOT]])
+    s = session(model)
+    history = [{"role": "user", "content": "hi"}]
+    first = chat(s, history)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "go"}]
+    second = chat(s, history)
+    chat(s, [{"role": "user", "content": "summary so far"},  # keeps only the second reply
+             {"role": "assistant", "content": second.text}, {"role": "user", "content": "go"}])
+    assert [seg.cause for seg in s.trace.segments] == ["", "history_rewritten"]
+    rewritten = model.calls[2][1]
+    assert any(rewritten[i:i + 3] == [0xC3, ord("b"), EOT] for i in range(len(rewritten)))
+
+
 def test_caps_are_refused_before_any_engine_call() -> None:
     model = RecordingModel([[ord("a"), EOT]] * 3)
     s = session(model, max_calls=1, max_context_tokens=64)

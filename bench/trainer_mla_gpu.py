@@ -1,0 +1,328 @@
+"""A GLM-5.2-shaped slice on one GPU: the trainer's step against transformers' GlmMoeDsa, and
+the sparse MLA attention alone.
+
+The slice is full width (hidden 6144, 64 heads, q LoRA 2048, kv LoRA 512, qk 192 + 64 rope,
+v 256, DSA top-2048 from 32 index heads of 128, vocabulary 154,880): one dense layer (FFN
+12,288) and `--moe-layers` MoE layers of `--experts` routed experts (FFN 2048, top 8, one
+shared expert); layer 0 and 1 run indexers, layer 2 reuses layer 1's top-k. Both sides get the
+same weights (transformers builds them seeded on the GPU; the trainer loads its state dict)
+and one row of 8,192 / 32,768 / 65,536 tokens a step (recomputation at 32k and up: megatron
+full/uniform/1 layer, transformers' gradient checkpointing), each case in its own process.
+The trainer's step is `step.train_step` (clipped PG loss, chunked log-probs, MasterAdam on
+the GPU); transformers' the same loss on log_softmax of its logits, AdamW(fused). One warm-up
+step, then `--steps` timed; tokens/s over the median step. An out-of-memory is a result.
+
+Sparse attention FLOPs (the absorbed form: 64 heads attend over one latent of 512 + 64 per
+key, values its 512): for P valid (query, key) pairs (P = sum over queries of
+min(position + 1, 2048)), forward 2 * P * heads * (576 + 512), backward
+2 * P * heads * (3 * 576 + 2 * 512) (QK^T recomputed, dP, dV, dQ, dK); attention MFU =
+(forward + backward) / attention seconds / 989e12 (H100/H200 dense bf16 peak). In the step,
+the attention seconds are not separated: `attention_mfu_of_step` divides by the step time (a
+lower bound).
+
+`--attention-only` times the sparse attention kernels alone at `--seq` tokens (random
+distinct causal picks, the worst case for locality), forward and backward for each backward
+variant, and the DSA indexer's chunked top-k at two score budgets.
+
+    python bench/trainer_mla_gpu.py [--cases row8192,row32768,row65536] [--sides trainer,hf]
+        [--moe-layers 2] [--experts 16] [--steps 2]
+    python bench/trainer_mla_gpu.py --attention-only [--seq 65536] [--backward split,fused]
+The last line printed is the JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAK_FLOPS = 989e12
+HEADS, LATENT, ROPE, TOPK = 64, 512, 64, 2048
+
+
+def glm_slice_config(moe_layers: int, experts: int) -> Any:
+    from transformers import GlmMoeDsaConfig
+
+    layers = 1 + moe_layers
+    return GlmMoeDsaConfig(
+        vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+        moe_intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS, n_shared_experts=1, n_routed_experts=experts,
+        num_experts_per_tok=8, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=2048, kv_lora_rank=LATENT, qk_nope_head_dim=192,
+        qk_rope_head_dim=ROPE, v_head_dim=256, index_topk=TOPK, index_n_heads=32,
+        index_head_dim=128, max_position_embeddings=131072, rope_interleave=True,
+        indexer_types=["full", "full"] + ["shared"] * (layers - 2), tie_word_embeddings=False,
+        num_nextn_predict_layers=0, mlp_layer_types=["dense"] + ["sparse"] * moe_layers,
+    )  # fmt: skip
+
+
+def sparse_pairs(seq: int) -> int:
+    """Valid (query, key) pairs of a causal row with top-`TOPK` selection."""
+    full = min(seq, TOPK)
+    return full * (full + 1) // 2 + (seq - full) * TOPK
+
+
+def sparse_flops(seq: int) -> tuple[float, float]:
+    pairs = sparse_pairs(seq)
+    qk, pv = 2 * HEADS * (LATENT + ROPE), 2 * HEADS * LATENT
+    return float(pairs * (qk + pv)), float(pairs * (3 * qk + 2 * pv))
+
+
+def causal_picks(seq: int, device: Any, seed: int = 0) -> Any:
+    """[1, seq, TOPK] distinct random causal picks (all earlier keys where fewer than TOPK),
+    -1 padding."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = torch.full((1, seq, TOPK), -1, dtype=torch.int32, device=device)
+    keys = torch.arange(seq, device=device)
+    for start in range(0, seq, 2048):
+        end = min(seq, start + 2048)
+        noise = torch.rand((end - start, seq), generator=gen, device=device)
+        noise.masked_fill_(keys[None, :] > keys[start:end, None], -1.0)
+        values, picks = noise.topk(min(TOPK, seq), dim=-1)
+        out[0, start:end, : picks.size(1)] = torch.where(values >= 0, picks, -1).int()
+    return out
+
+
+def _time(fn: Any, repeat: int = 3) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def attention_only(seq: int, variants: list[str]) -> dict[str, Any]:
+    import torch
+
+    from services.trainer.attention import sparse_mla_triton as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, seq, HEADS, LATENT + ROPE, device="cuda", generator=gen,
+                    dtype=torch.bfloat16)
+    kv = torch.randn(1, seq, LATENT + ROPE, device="cuda", generator=gen, dtype=torch.bfloat16)
+    picks, positions = causal_picks(seq, "cuda"), torch.arange(seq, device="cuda")
+    scale = (192 + ROPE) ** -0.5
+    fwd_flops, bwd_flops = sparse_flops(seq)
+    out, lse = kernels.forward(q, kv, picks, positions, scale, LATENT)
+    grad = torch.randn(out.shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    fwd_s = _time(lambda: kernels.forward(q, kv, picks, positions, scale, LATENT))
+    result: dict[str, Any] = {
+        "seq": seq, "topk": TOPK, "heads": HEADS, "pairs": sparse_pairs(seq),
+        "forward_ms": round(fwd_s * 1e3, 2),
+        "forward_tflops": round(fwd_flops / fwd_s / 1e12, 1),
+    }  # fmt: skip
+    result["indexer"] = indexer_timing(seq)
+    print(json.dumps(result), flush=True)
+    for variant in variants:
+        kernels.BACKWARD = variant
+        try:
+            bwd_s = _time(lambda: kernels.backward(grad, q, kv, picks, positions, out, lse,
+                                                   scale))
+        except Exception as err:  # noqa: BLE001 - reported in the JSON; the next variant runs
+            result[variant] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            continue
+        total = fwd_s + bwd_s
+        result[variant] = {
+            "backward_ms": round(bwd_s * 1e3, 2),
+            "backward_tflops": round(bwd_flops / bwd_s / 1e12, 1),
+            "fwd_bwd_ms": round(total * 1e3, 2),
+            "attention_mfu": round((fwd_flops + bwd_flops) / total / PEAK_FLOPS, 4),
+        }
+    result["configs"] = {name: str(getattr(k, "best_config", None)) for name, k in
+                         (("forward", kernels._forward_kernel), ("dq", kernels._backward_kernel),
+                          ("dkv", kernels._dkv_kernel))}  # fmt: skip
+    result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return result
+
+
+def indexer_timing(seq: int) -> dict[str, Any]:
+    """The frozen DSA indexer's top-k of a `seq`-token row at two score budgets (seconds)."""
+    import torch
+
+    from services.trainer.attention import sparse_attention
+    from services.trainer.model.model import ModelShape
+
+    shape = ModelShape.from_hf(glm_slice_config(1, 8))
+    indexer = sparse_attention.DSAIndexer(shape).cuda().bfloat16()  # type: ignore[arg-type]
+    for buf in indexer.buffers():
+        buf.normal_(0, 0.02)
+    hidden = torch.randn(seq, 1, 6144, device="cuda", dtype=torch.bfloat16)
+    q_latent = torch.randn(seq, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(seq, device="cuda")
+    out = {}
+    default = sparse_attention._SCORE_BUDGET
+    for budget in sorted({default, 1 << 30}):
+        sparse_attention._SCORE_BUDGET = budget
+        secs = _time(lambda: indexer(hidden, q_latent, positions), repeat=1)
+        out[f"budget_{budget}_s"] = round(secs, 3)
+    sparse_attention._SCORE_BUDGET = default
+    return out
+
+
+def _rows(seq: int, vocab: int) -> Any:
+    import torch
+
+    from services.trainer.data.batch import MicroBatch
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, seq), generator=gen).cuda()
+    adv = torch.randn(ids.shape, generator=gen).cuda()
+    mask = torch.ones(ids.shape, device="cuda")
+    return MicroBatch(ids, mask, torch.full(ids.shape, -3.0, device="cuda"), adv, [seq], None)
+
+
+def _hf_model(config: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int) -> dict[str, Any]:
+    import torch
+
+    from services.trainer.objective.loss import LossSettings, policy_loss
+
+    config = glm_slice_config(moe_layers, experts)
+    recompute = seq > 16384
+    hf = _hf_model(config)
+    batch = _rows(seq, config.vocab_size)
+    if side == "trainer":
+        from services.trainer.data.batch import RolloutBatch
+        from services.trainer.model.model import ModelShape, build_gpt_model
+        from services.trainer.model.policy import ModelPolicy
+        from services.trainer.model_config import ParallelConfig
+        from services.trainer.objective.logprobs import token_logprobs
+        from services.trainer.optim.optimizer_stream import MasterAdam, megatron_no_decay
+        from services.trainer.parallel.parallel import init_parallel
+        from services.trainer.step import train_step
+        from services.trainer.weights.convert import load_hf_weights
+
+        init_parallel(ParallelConfig(), rank=0, world_size=1, master_port=29631)
+        shape = ModelShape.from_hf(config)
+        full = {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": 1}  # fmt: skip
+        model = build_gpt_model(shape, dtype="bfloat16", recompute=full if recompute else None)
+        load_hf_weights(model, shape, hf.state_dict())
+        del hf
+        torch.cuda.empty_cache()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        optimizer = MasterAdam([p for _, p in named], lr=1e-6,
+                               no_decay=megatron_no_decay(named))
+        policy = ModelPolicy(model, optimizer, token_logprobs, 1.0)
+        rollout = RolloutBatch([batch], [], [], [])
+
+        def step() -> None:
+            train_step(policy, rollout, LossSettings())
+    else:
+        hf.train()
+        if recompute:
+            hf.gradient_checkpointing_enable()
+        opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, fused=True)
+
+        def step() -> None:
+            ids = batch.input_ids
+            logits = hf(input_ids=ids).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            lp = torch.zeros(ids.shape, device="cuda")
+            lp[:, 1:] = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+            del logits, logp
+            loss, _ = policy_loss(lp, lp.detach(), batch.rollout_logprobs, batch.advantages,
+                                  batch.loss_mask, LossSettings())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    params = sum(p.numel() for p in (model if side == "trainer" else hf).parameters())
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    fwd, bwd = sparse_flops(seq)
+    layers = 1 + moe_layers
+    return {"step_s": round(median, 3), "tokens_per_s": round(seq / median, 1),
+            "attention_mfu_of_step": round(layers * (fwd + bwd) / median / PEAK_FLOPS, 4),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "recompute": recompute, "params": params, "times_s": [round(t, 3) for t in times]}
+
+
+def _subprocess(args: list[str], timeout_s: float) -> dict[str, Any]:
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    try:
+        done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                              env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = done.stderr.strip().splitlines()[-6:]
+        oom = any("OutOfMemoryError" in line or "out of memory" in line for line in tail)
+        return {"error": "out of memory" if oom else "failed", "stderr_tail": tail}
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--attention-only", action="store_true")
+    parser.add_argument("--seq", type=int, default=65536)
+    parser.add_argument("--backward", default="split,fused")
+    parser.add_argument("--cases", default="row8192,row32768,row65536")
+    parser.add_argument("--sides", default="trainer,hf")
+    parser.add_argument("--moe-layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--side", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.attention_only:
+        print(json.dumps(attention_only(args.seq, args.backward.split(","))))
+        return
+    if args.side:
+        print(json.dumps(run_side(args.side, args.seq, args.moe_layers, args.experts,
+                                  args.steps)))
+        return
+    results: dict[str, Any] = {"moe_layers": args.moe_layers, "experts": args.experts,
+                               "steps": args.steps}
+    for case in args.cases.split(","):
+        seq = int(case.removeprefix("row"))
+        entry = {}
+        for side in args.sides.split(","):
+            entry[side] = _subprocess(["--side", side, "--seq", str(seq), "--moe-layers",
+                                       str(args.moe_layers), "--experts", str(args.experts),
+                                       "--steps", str(args.steps)], args.timeout_s)
+            print(case, side, json.dumps(entry[side]), flush=True)
+        mine, theirs = entry.get("trainer", {}), entry.get("hf", {})
+        if "tokens_per_s" in mine and "tokens_per_s" in theirs:
+            entry["trainer_over_hf"] = round(mine["tokens_per_s"] / theirs["tokens_per_s"], 3)
+        results[case] = entry
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

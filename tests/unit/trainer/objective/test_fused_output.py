@@ -1,0 +1,98 @@
+"""The fused output layer + log-prob (fused_output.py) against logits then chunked log-probs:
+the same log-probs and gradients for hidden states and weight, chunked or not, tied or not,
+padded or packed rows (one rank; TP 2 and SP in tests/integration/test_trainer_fused_output.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from services.common.ports import free_port
+from services.testing.hf_models import random_hf_model
+from services.trainer.model.model import ModelShape, build_gpt_model
+from services.trainer.model_config import ParallelConfig
+from services.trainer.objective.chunked_logprobs import target_logprobs
+from services.trainer.objective.fused_output import fusable, hidden_logprobs
+from services.trainer.objective.logprobs import token_logprobs
+from services.trainer.parallel.parallel import init_parallel, teardown_parallel
+from services.trainer.weights.convert import load_hf_weights
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank() -> Iterator[None]:
+    init_parallel(ParallelConfig(), rank=0, world_size=1, master_port=free_port())
+    yield
+    teardown_parallel()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_hidden_logprobs_equal_logits_then_logprobs(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.trainer.objective import fused_output
+
+    monkeypatch.setattr(fused_output, "TORCH_ROWS", 3)  # fp32 passes inside a chunk too
+    gen = torch.Generator().manual_seed(chunk)
+    hidden = torch.randn(13, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(40, 8, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 40, (13,), generator=gen)
+    upstream = torch.randn(13, generator=gen)
+    got = hidden_logprobs(hidden, weight, targets, 0.8, chunk_tokens=chunk)
+    got_grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    want = target_logprobs(hidden @ weight.t(), targets, 0.8)
+    want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight))
+    # fp32 rounding: a matmul of a chunk's rows sums in another order than the whole one's
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_temperature_is_refused() -> None:
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        hidden_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(2, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_logprobs_and_grads_equal_unfused(tied: bool) -> None:
+    hf = random_hf_model("qwen2", tie_word_embeddings=tied)
+    shape = ModelShape.from_hf(hf.config)
+    model = build_gpt_model(shape)
+    load_hf_weights(model, shape, hf.state_dict())
+    assert fusable(model)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 96, (2, 11), generator=gen)
+    weights = torch.randn(ids.shape, generator=gen)
+    for rows, cu in ((ids, None), (ids.reshape(1, -1), [0, 11, 22])):
+        runs = []
+        for fused in (False, True):
+            model.zero_grad()
+            lp = token_logprobs(model, rows, 0.7, cu, fused=fused)
+            (lp * weights.reshape(rows.shape)).sum().backward()
+            runs.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (want, want_grads), (got, got_grads) = runs
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert "forward" not in vars(model.output_layer)  # the swap is undone
+
+
+def test_auto_fuses_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.trainer.objective import fused_output
+
+    hf = random_hf_model("qwen2")
+    shape = ModelShape.from_hf(hf.config)
+    model = build_gpt_model(shape)
+    calls: list[int] = []
+    real = fused_output.hidden_logprobs
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused_output, "hidden_logprobs", spy)
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    token_logprobs(model, ids)  # auto, on the CPU: fused
+    token_logprobs(model, ids, fused=False)
+    assert calls == [1]
