@@ -202,6 +202,18 @@ class EngineClient:
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "flush_cache": True, "abort_all_requests": False})
 
+    async def update_weights_from_tensor(self, url: str, payload: str) -> None:
+        """Colocated mode: load tensors the caller shares (SGLang's IPC payload)."""
+        await self._call("POST", url, "/update_weights_from_tensor", {
+            "serialized_named_tensors": [payload], "flush_cache": True,
+            "abort_all_requests": False})
+
+    async def memory_occupation(self, url: str, action: str, tags: list[str] | None) -> int:
+        """`action` release or resume: SGLang's /{action}_memory_occupation of `tags`; the
+        bytes freed when the engine says (the built-in engine does, SGLang does not)."""
+        body = await self._call("POST", url, f"/{action}_memory_occupation", {"tags": tags})
+        return int(body.get("freed_bytes", 0)) if isinstance(body, dict) else 0
+
     async def set_weight_version(self, url: str, version: int) -> None:
         # 0.5.23 aborts every request unless told otherwise; the fleet is paused here and its
         # requests must survive the bump.

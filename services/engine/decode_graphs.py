@@ -53,6 +53,11 @@ class DecodeGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    def reset(self) -> None:
+        """Drop every graph and their memory pool: the buffers they read are about to move."""
+        self._graphs.clear()
+        self._pool = None
+
     def capture_all(self) -> float:
         """Capture every (batch, width) bucket now, so no step pays a capture; returns seconds.
 

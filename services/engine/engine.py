@@ -20,6 +20,7 @@ import torch
 
 from services.common.errors import InvalidRequest
 from services.engine.config import EngineConfig
+from services.engine.memory_occupation import MemoryOccupation
 from services.engine.metrics import EngineMetrics
 from services.engine.model_runner import ModelRunner
 from services.engine.random_stream import RandomStream
@@ -45,6 +46,7 @@ class Engine:
             Scheduler(rank, self.runner, config, self.metrics, self._version)
             for rank in range(config.dp_size)
         ]
+        self.memory = MemoryOccupation(self.runner, self.schedulers)
         self.paused_mode: str | None = None
         self.block_admission = False
         self._rng = random.Random(config.random_seed)
@@ -69,6 +71,11 @@ class Engine:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     def start(self) -> None:
+        usage = self.memory.usage()
+        log.info("memory: weights %.2f GiB, KV slots %.2f GiB%s", usage["weights_bytes"] / 2**30,
+                 usage["kv_cache_bytes"] / 2**30,
+                 f", CUDA reserved {usage['cuda_reserved_bytes'] / 2**30:.2f} GiB"
+                 if "cuda_reserved_bytes" in usage else "")
         self._thread.start()
 
     def stop(self) -> None:
@@ -147,7 +154,7 @@ class Engine:
         while not self._stopping.is_set():
             self._run_commands()
             busy = False
-            if self.paused_mode is None:
+            if self.paused_mode is None and not self.memory.released:
                 for sched in self.schedulers:
                     busy |= self._step(sched)
             self._publish_gauges()

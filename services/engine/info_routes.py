@@ -75,6 +75,8 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
             "max_req_input_len": engine.runner.context_len - 1,
             "context_length": engine.runner.context_len,
             "weight_version": engine.weight_version,
+            "memory_released": sorted(engine.memory.released),
+            "memory_usage": await engine.run(engine.memory.usage),
             "internal_states": states,
             "version": VERSION,
             "sglang_contract": CONTRACT_VERSION[cfg.contract],

@@ -144,3 +144,5 @@ class ModelRunner:
             if target is None:
                 raise InvalidRequest(f"unknown parameter name {name!r}")
             target.copy_(tensor.to(self.device))
+        if self.device.type == "cuda":  # the sender may free shared tensors once we answer
+            torch.cuda.synchronize(self.device)

@@ -71,6 +71,26 @@ class SlotBatch:
     def size(self) -> int:
         return len(self.slots)
 
+    def free_memory(self) -> None:
+        """Free the KV storage and the decode graphs (the batch must be empty)."""
+        if self.graphs is not None:
+            self.graphs.reset()
+        self.kv.free_storage()
+
+    def restore_memory(self) -> None:
+        """Allocate the KV storage again (the graphs are captured by `capture_graphs`)."""
+        if not self.kv.keys:
+            self.kv.allocate_storage()
+
+    def drop_graphs(self) -> None:
+        """Forget the decode graphs: the weights they read are about to move."""
+        if self.graphs is not None:
+            self.graphs.reset()
+
+    def capture_graphs(self) -> float:
+        """Capture every decode graph again; returns seconds (0 without graphs)."""
+        return self.graphs.capture_all() if self.graphs is not None else 0.0
+
     def prefill(self, jobs: list[PrefillJob]) -> list[tuple[torch.Tensor, tuple[int, int]]]:
         """Forward each job's tokens (its first len(prefix) already computed) into a fresh
         slot: all jobs together, long prompts piece by piece; (logits, pending row) each."""

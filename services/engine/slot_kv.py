@@ -30,13 +30,28 @@ class SlotKV:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_slots + 1, kv_heads, slot_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._spec = (num_layers, (num_slots + 1, kv_heads, slot_len, head_dim), dtype, device)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.allocate_storage()
         self.num_slots = num_slots
         self.slot_len = slot_len
         self.sink = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
+
+    def allocate_storage(self) -> None:
+        """(Re)allocate every layer's storage, zeroed; after `free_storage` the tensors are new
+        (other addresses: CUDA graphs captured on the old ones must be captured again)."""
+        num_layers, shape, dtype, device = self._spec
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def free_storage(self) -> None:
+        """Drop every layer's storage (colocated mode: the trainer uses the memory); every slot
+        must be free."""
+        if len(self._free) != self.num_slots:
+            raise ValueError("KV storage freed while slots are in use")
+        self.keys, self.values = [], []
 
     @property
     def num_free(self) -> int:

@@ -1,25 +1,29 @@
 """The built-in engine's weight routes: the collective group, updates from a broadcast or from
-tensors in the body, the weight version, and the refusals of what it does not do.
+tensors shared by the sender (CUDA IPC handles or shared memory, `tensor_payload`), releasing
+and resuming memory for colocated training, the weight version, and the refusals of what it
+does not do.
 
-Updates rendezvous and receive on worker threads so the API stays responsive; loading runs on
-the engine loop between steps. A failed update leaves the old weights in place.
+Updates rendezvous, receive and open shared tensors on worker threads so the API stays
+responsive; loading runs on the engine loop between steps. A failed update leaves the old
+weights in place.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import logging
+import time
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from services.common import tensor_payload
 from services.common.errors import InvalidRequest, RiptideError
 from services.engine.engine import Engine
 from services.engine.info_routes import read_json
+from services.engine.memory_occupation import parse_tags
 from services.engine.sglang_errors import error_response
 from services.engine.weight_update import (
     Body,
@@ -42,22 +46,13 @@ class TensorUpdateRequest(Body):
     abort_all_requests: bool = False
     weight_version: str | None = None
     disable_draft_model: bool | None = None
+    torch_empty_cache: bool = False
 
 
-def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
-    """The built-in engine's tensor payload: base64 of `torch.save([(name, tensor), ...])`.
+class MemoryRequest(Body):
+    """`/release_memory_occupation` and `/resume_memory_occupation`."""
 
-    SGLang's own payload holds CUDA IPC handles, usable only on the same GPU host; the
-    built-in engine takes real bytes instead and loads them with `weights_only=True`.
-    """
-    try:
-        pairs = torch.load(io.BytesIO(base64.b64decode(payload, validate=True)),
-                           weights_only=True)
-        return {str(name): tensor for name, tensor in pairs}
-    except Exception as exc:  # any undecodable payload is the client's mistake
-        raise InvalidRequest(
-            "serialized_named_tensors must hold base64 of torch.save([(name, tensor), ...]): "
-            f"{type(exc).__name__}: {exc}") from None
+    tags: list[str] | None = None
 
 
 def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> None:
@@ -83,6 +78,7 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         req = parse_body(UpdateWeightsRequest, await read_json(request))
+        engine.memory.check_weights_resident()
         if req.selector is not None:
             log.info("selector %r: the built-in engine serves one model", req.selector)
         dtypes = updater.validate(req)
@@ -106,20 +102,46 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
         req = parse_body(TensorUpdateRequest, await read_json(request))
         if len(req.serialized_named_tensors) != 1:
-            raise InvalidRequest("serialized_named_tensors must hold one entry (tp_size is 1)")
-        if req.load_format not in (None, "direct"):
-            raise InvalidRequest(f"load_format {req.load_format!r} is not supported")
-        tensors = decode_named_tensors(req.serialized_named_tensors[0])
-        engine.runner.check_weights(list(tensors), [list(t.shape) for t in tensors.values()])
+            raise InvalidRequest("serialized_named_tensors must hold one entry (tp_size is 1), "
+                                 f"got {len(req.serialized_named_tensors)}")
+        engine.memory.check_weights_resident()
+        # Opening IPC handles or shm files may block: off the event loop.
+        started = time.perf_counter()
+        tensors = await asyncio.to_thread(
+            tensor_payload.decode, req.serialized_named_tensors[0], req.load_format)
+        opened = time.perf_counter()
+        try:
+            engine.runner.check_weights(list(tensors), [list(t.shape) for t in tensors.values()])
+            async with update_lock:
+                engine.memory.check_weights_resident()
+                if req.abort_all_requests:
+                    await engine.run(lambda: engine.abort(None, "aborted for a weight update"))
+                await _drain_unless_paused(engine)
+                try:
+                    await load(tensors, req.flush_cache, req.weight_version)
+                finally:
+                    engine.block_admission = False
+        finally:
+            tensors.clear()  # the sender may free its buffer once we answer
+        loaded = time.perf_counter()
+        if req.torch_empty_cache and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return JSONResponse({"success": True, "message": ok, "open_s": round(opened - started, 6),
+                             "load_s": round(loaded - opened, 6)})
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> dict[str, Any]:
+        tags = parse_tags(parse_body(MemoryRequest, await read_json(request)).tags)
         async with update_lock:
-            if req.abort_all_requests:
-                await engine.run(lambda: engine.abort(None, "aborted for a weight update"))
-            await _drain_unless_paused(engine)
-            try:
-                await load(tensors, req.flush_cache, req.weight_version)
-            finally:
-                engine.block_admission = False
-        return JSONResponse({"success": True, "message": ok})
+            done = await engine.run(lambda: engine.memory.release(tags))
+        return {"success": True, "message": f"released {', '.join(tags)}", **done}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> dict[str, Any]:
+        tags = parse_tags(parse_body(MemoryRequest, await read_json(request)).tags)
+        async with update_lock:
+            done = await engine.run(lambda: engine.memory.resume(tags))
+        return {"success": True, "message": f"resumed {', '.join(tags)}", **done}
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
@@ -139,8 +161,6 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
         return {"success": True, "message": f"weight version is {version}", "new_version": version}
 
     @app.post("/update_weights_from_disk")
-    @app.post("/release_memory_occupation")
-    @app.post("/resume_memory_occupation")
     async def refused(request: Request) -> JSONResponse:
         msg = f"{request.url.path} is not supported by the built-in engine"
         return error_response(request.url.path, msg)

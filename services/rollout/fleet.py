@@ -141,6 +141,10 @@ class EngineFleet:
             info = {}  # a launched engine's ranks are known; its contract is learned later
         if self.config.kind == "attach":
             member.ranks = self.config.ranks_per_engine or int(info.get("tp_size", 1))
+        usage = info.get("memory_usage")  # the built-in engine's split (SGLang has none)
+        if isinstance(usage, dict):
+            log.info("engine %s memory: %s", member.url, ", ".join(
+                f"{k.removesuffix('_bytes')} {v / 2**30:.2f} GiB" for k, v in usage.items()))
         member.error = None
         if self.current_version == self.initial_version:
             member.state, member.weight_version = "ready", self.current_version

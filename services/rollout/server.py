@@ -25,6 +25,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         async for event in self.runtime.coordinator.run(request_iterator):
             yield event
 
+    async def ReleaseEngineMemory(  # noqa: N802
+        self, request: rollout_pb2.ReleaseEngineMemoryRequest, context: grpc.aio.ServicerContext,
+    ) -> rollout_pb2.ReleaseEngineMemoryReply:
+        return await self.runtime.coordinator.release_memory(list(request.tags))
+
     async def GetStatus(self, request: common_pb2.StatusRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> common_pb2.ServiceStatus:
         return status_message(self.runtime)

@@ -118,6 +118,10 @@ class WeightUpdateCoordinator:
             raise
         self.engines_paused = True
         self.events.engines_paused(m.url for m in members)
+        if begin.colocated:
+            async for event in self._colocated(version, members, requests, record):
+                yield event
+            return
         world_size = 1 + sum(m.ranks for m in members)
         key = (begin.group_name, begin.master_address, begin.master_port, begin.backend,
                tuple((m.url, m.ranks) for m in members))
@@ -146,6 +150,58 @@ class WeightUpdateCoordinator:
         raise WeightUpdateFailed(
             f"weight update v{version}: the trainer ended the stream before Commit after "
             f"{record['buckets']} buckets")
+
+    async def release_memory(self, tags: list[str]) -> pb.ReleaseEngineMemoryReply:
+        """Colocated mode, before a trainer step: every engine frees the memory of `tags`
+        (none: all); refused while an update runs. The next colocated update resumes it."""
+        unknown = sorted(set(tags) - {"kv_cache", "weights", "cuda_graph"})
+        if unknown:
+            raise InvalidRequest(f"tags: unknown memory tag(s) {unknown} (known: kv_cache, "
+                                 "weights, cuda_graph)")
+        if self._busy.locked():
+            raise Conflict("a weight update is in progress")
+        async with self._busy, self.fleet.lock:
+            members = await self.fleet.update_members()
+            freed = await asyncio.gather(*(self.fleet.client.memory_occupation(
+                m.url, "release", tags or None) for m in members))
+        return pb.ReleaseEngineMemoryReply(num_engines=len(members),
+                                           freed_bytes=sum(freed))
+
+    async def _colocated(self, version: int, members: list[EngineMember],
+                         requests: AsyncIterator[pb.WeightUpdateRequest],
+                         record: dict[str, Any]) -> AsyncIterator[pb.WeightUpdateEvent]:
+        """No group: resume the engines' weights, post each bucket's shared tensors, resume
+        their KV cache, commit."""
+        client = self.fleet.client
+        await self._all(version, members, "resume_memory_occupation (weights)",
+                        lambda m: client.memory_occupation(m.url, "resume", ["weights"]))
+        yield pb.WeightUpdateEvent(group=pb.WeightUpdateGroup(world_size=0))
+        async for request in requests:
+            step = request.WhichOneof("step")
+            if step == "bucket":
+                check_bucket(request.bucket, record["buckets"], colocated=True)
+                record["buckets"] += 1
+                await self._load_shared_bucket(version, members, request.bucket)
+                yield pb.WeightUpdateEvent(bucket_loaded=request.bucket.bucket_index)
+            elif step == "commit":
+                await self._all(version, members, "resume_memory_occupation (kv_cache)",
+                                lambda m: client.memory_occupation(m.url, "resume", None))
+                await self._commit(version, members)
+                record["status"] = "committed"
+                yield pb.WeightUpdateEvent(committed=version)
+                return
+            else:
+                raise InvalidRequest(f"weight update v{version}: unexpected {step} mid-update")
+        raise WeightUpdateFailed(
+            f"weight update v{version}: the trainer ended the stream before Commit after "
+            f"{record['buckets']} buckets")
+
+    async def _load_shared_bucket(self, version: int, members: list[EngineMember],
+                                  bucket: pb.WeightBucket) -> None:
+        payload = bucket.serialized_named_tensors
+        await self._all(version, members,
+                        f"update_weights_from_tensor (bucket {bucket.bucket_index})",
+                        lambda m: self.fleet.client.update_weights_from_tensor(m.url, payload))
 
     @staticmethod
     async def _trainer_joining(requests: AsyncIterator[pb.WeightUpdateRequest],
@@ -240,7 +296,7 @@ class WeightUpdateCoordinator:
 
     @staticmethod
     async def _all(version: int, members: list[EngineMember], step: str,
-                   call: Callable[[EngineMember], Awaitable[None]]) -> None:
+                   call: Callable[[EngineMember], Awaitable[object]]) -> None:
         """Run `call` on every engine at once; one precise error naming each failure."""
         results = await asyncio.gather(*(call(m) for m in members), return_exceptions=True)
         failures = [(m, r) for m, r in zip(members, results, strict=True)

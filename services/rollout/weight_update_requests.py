@@ -26,9 +26,12 @@ MAX_ELEMENTS = 2**40  # a trillion elements: far beyond any one weight
 
 
 def check_begin(begin: pb.WeightUpdateBegin) -> None:
-    """The Begin's version, rendezvous address and backend are usable."""
+    """The Begin's version, rendezvous address and backend are usable (colocated: no
+    rendezvous)."""
     require(begin.weight_version >= 0,
             f"begin.weight_version: must be 0 or more, got {begin.weight_version}")
+    if begin.colocated:
+        return
     require(0 < len(begin.master_address) <= 255 and begin.master_address.isprintable()
             and " " not in begin.master_address,
             f"begin.master_address: a host name or address is needed, got "
@@ -42,9 +45,13 @@ def check_begin(begin: pb.WeightUpdateBegin) -> None:
             f"{quote(begin.backend, 40)}")
 
 
-def check_bucket(bucket: pb.WeightBucket, expected_index: int) -> None:
-    """The bucket comes in order and each tensor has a name, a known dtype and a shape."""
+def check_bucket(bucket: pb.WeightBucket, expected_index: int, colocated: bool = False) -> None:
+    """The bucket comes in order and each tensor has a name, a known dtype and a shape; a
+    colocated bucket carries its payload, a broadcast one none."""
     where = f"bucket {expected_index}"
+    require(bool(bucket.serialized_named_tensors) == colocated,
+            f"{where}: serialized_named_tensors is "
+            + ("needed in a colocated update" if colocated else "only for colocated updates"))
     require(bucket.bucket_index == expected_index,
             f"bucket.bucket_index: buckets come in order from 0, expected {expected_index}, "
             f"got {bucket.bucket_index}")

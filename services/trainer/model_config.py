@@ -125,11 +125,17 @@ class ParallelConfig(StrictModel):
 class WeightSyncConfig(StrictModel):
     """How new weights reach the engines after a step."""
 
-    mode: Literal["rollout", "direct", "off"] = Field(
+    mode: Literal["rollout", "direct", "colocated", "colocated_direct", "off"] = Field(
         "rollout",
-        description="rollout: through Rollout.UpdateWeights; direct: post to engine_urls; off",
+        description="rollout: broadcast through Rollout.UpdateWeights; direct: post to "
+        "engine_urls; colocated: CUDA IPC handles (no group) through Rollout.UpdateWeights; "
+        "colocated_direct: CUDA IPC handles posted to engine_urls on this host; off",
     )
     interval_steps: int = Field(1, ge=1, description="sync after every k-th optimizer step")
+    release_engines_during_step: bool = Field(
+        False, description="colocated modes: the engines free their memory (KV cache, weights)"
+        " before each trainer step and the next sync resumes it (synchronous colocated "
+        "training; generation waits meanwhile)")
     bucket_mb: float = Field(512.0, gt=0, description="size of one broadcast bucket in MiB")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="dtype of the tensors on the wire (the engines' dtype)"
@@ -161,8 +167,13 @@ class WeightSyncConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_targets(self) -> WeightSyncConfig:
-        if self.mode == "direct" and not self.engine_urls:
-            raise ValueError("mode=direct needs engine_urls (the engines' base URLs)")
-        if self.mode == "rollout" and not self.rollout_address:
-            raise ValueError("mode=rollout needs rollout_address (host:port of rollout gRPC)")
+        if self.mode in ("direct", "colocated_direct") and not self.engine_urls:
+            raise ValueError(f"mode={self.mode} needs engine_urls (the engines' base URLs)")
+        if self.release_engines_during_step and self.mode not in ("colocated",
+                                                                  "colocated_direct"):
+            raise ValueError("release_engines_during_step needs mode colocated or "
+                             "colocated_direct (the engines share the trainer's devices)")
+        if self.mode in ("rollout", "colocated") and not self.rollout_address:
+            raise ValueError(f"mode={self.mode} needs rollout_address (host:port of rollout "
+                             "gRPC)")
         return self

@@ -168,6 +168,8 @@ class TrainerRuntime(ServiceRuntime):
                     self._channel.send(Sync(version))  # the other ranks join the gathers
                 return weight_sync.sync(built.model, built.shape, version)
 
+        if c.weight_sync.release_engines_during_step and weight_sync is not None:
+            on_step = _releasing_engines(weight_sync, on_step)
         checkpointer = Checkpointer(c.checkpoint.dir, c.checkpoint.num_kept)
         loop: Any = None
         needs_weights = None
@@ -220,3 +222,15 @@ class TrainerRuntime(ServiceRuntime):
                 recovery=asdict(self.loop.recovery) if self.loop.recovery else None,
             )
         return out
+
+
+def _releasing_engines(weight_sync: Any, then: Any) -> Any:
+    """An on_step hook that first has the engines free their memory (colocated mode)."""
+    release = weight_sync.release_engines
+
+    def on_step(batch: Any) -> None:
+        release()
+        if then is not None:
+            then(batch)
+
+    return on_step

@@ -9,8 +9,6 @@ weight_versions.py); one engine process per contract mode.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import sys
 import threading
@@ -28,6 +26,7 @@ from services._proto.riptide.v1 import router_pb2
 from services.common import process
 from services.common.engine_client import EngineClient
 from services.common.ports import free_port
+from services.common.tensor_payload import encode
 from services.router.config import RouterConfig
 from services.router.engine_calls import EngineCalls
 from services.router.health import HealthChecker
@@ -184,7 +183,7 @@ def test_generate_errors_and_refusals(engine: EngineProcess) -> None:
     assert status == 200 and chunks[-1] == "[DONE]" and len(chunks) == 2
     assert chunks[0]["error"] == {"message": chunks[0]["error"]["message"],
                                   "type": "BadRequestError", "code": 400, "retryable": False}
-    for path in ("/update_weights_from_disk", "/release_memory_occupation"):
+    for path in ("/update_weights_from_disk",):
         assert "not supported" in engine.post(path, {}).json().get(
             "message", engine.post(path, {}).text)
 
@@ -255,11 +254,8 @@ def test_weights_by_name_tensor_update_and_tokenize(engine: EngineProcess,
         engine.post("/get_weights_by_name", {"name": "model.nope"}))
 
     def push(tensor: torch.Tensor, version: str) -> httpx.Response:
-        buffer = io.BytesIO()
-        torch.save([(name, tensor)], buffer)
-        payload = base64.b64encode(buffer.getvalue()).decode()
         return engine.post("/update_weights_from_tensor", {
-            "serialized_named_tensors": [payload], "weight_version": version})
+            "serialized_named_tensors": [encode([(name, tensor)])], "weight_version": version})
 
     assert push(original * 0 + 0.5, "t1").json()["success"]
     changed = engine.post("/get_weights_by_name", {"name": name}).json()

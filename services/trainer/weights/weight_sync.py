@@ -258,12 +258,15 @@ class RolloutWeightSync(_SyncBase):
                 buckets: Iterator[tuple[Bucket, bool]], version: int) -> tuple[int, int, int]:
         from services._proto.riptide.v1 import rollout_pb2 as pb
 
+        colocated = self.config.mode == "colocated"  # IPC payloads in the buckets, no group
         requests.put(pb.WeightUpdateRequest(begin=pb.WeightUpdateBegin(
             weight_version=version, master_address=self.config.master_address,
             master_port=self.end.port, group_name=self.end.group_name,
-            backend=self.end.backend)))
+            backend=self.end.backend, colocated=colocated)))
         group = expect("group")
-        if group.trainer_must_join:
+        if colocated:
+            pass
+        elif group.trainer_must_join:
             self.end.leave()  # its rendezvous store closes before any engine looks there
             requests.put(pb.WeightUpdateRequest(joining=pb.WeightUpdateJoining()))
             self.end.join(group.world_size, watch)
@@ -276,9 +279,16 @@ class RolloutWeightSync(_SyncBase):
             specs = [pb.TensorSpec(name=n, dtype=d, shape=s)
                      for n, d, s in zip(names, dtypes, shapes, strict=True)]
             began = time.time()
-            requests.put(pb.WeightUpdateRequest(
-                bucket=pb.WeightBucket(bucket_index=index, tensors=specs)))
-            self.end.broadcast(bucket, watch)
+            if colocated:
+                from services.trainer.weights.weight_ipc import share_bucket
+
+                payload, shared = share_bucket(bucket, self.dtype)  # alive until loaded
+                requests.put(pb.WeightUpdateRequest(bucket=pb.WeightBucket(
+                    bucket_index=index, tensors=specs, serialized_named_tensors=payload)))
+            else:
+                requests.put(pb.WeightUpdateRequest(
+                    bucket=pb.WeightBucket(bucket_index=index, tensors=specs)))
+                self.end.broadcast(bucket, watch)
             loaded = expect("bucket_loaded")
             if loaded != index:
                 raise Conflict(f"rollout loaded bucket {loaded}, expected {index}")
@@ -290,6 +300,14 @@ class RolloutWeightSync(_SyncBase):
         if committed != version:
             raise Conflict(f"rollout committed v{committed}, expected v{version}")
         return num_buckets, num_tensors, num_bytes
+
+    def release_engines(self) -> None:
+        """Colocated mode, before a trainer step: the rollout service's engines free their
+        memory; the next update resumes it."""
+        from services._proto.riptide.v1 import rollout_pb2 as pb
+
+        self.stub.ReleaseEngineMemory(pb.ReleaseEngineMemoryRequest(),
+                                      timeout=self.config.timeout_s)
 
     def needs_weights(self, version: int) -> bool:
         """Whether the rollout service's engines lack weight version `version` (it restarted,
@@ -319,4 +337,8 @@ def build_weight_sync(
         return None
     if config.mode == "direct":
         return DirectEngineWeightSync(config, backend, engine_api_key)
+    if config.mode == "colocated_direct":
+        from services.trainer.weights.weight_ipc import ColocatedWeightSync
+
+        return ColocatedWeightSync(config, engine_api_key)
     return RolloutWeightSync(config, backend, token, tls)

@@ -11,7 +11,7 @@ import pytest
 from services._proto.riptide.v1 import rollout_pb2 as pb
 from services.common.engine_client import EngineCallError
 from services.common.engine_contract import EngineLoad
-from services.common.errors import InvalidRequest
+from services.common.errors import Conflict, InvalidRequest
 from services.rollout.config import FleetConfig, WeightUpdateConfig
 from services.rollout.fleet import EngineFleet
 from services.rollout.router_link import RouterView
@@ -73,6 +73,13 @@ class FakeEngines:
 
     async def set_weight_version(self, url: str, version: int) -> None:
         await self._rec(url, "version", version)
+
+    async def update_weights_from_tensor(self, url: str, payload: str) -> None:
+        await self._rec(url, "tensor", payload)
+
+    async def memory_occupation(self, url: str, action: str, tags: list[str] | None) -> int:
+        await self._rec(url, action, tags)
+        return 100
 
 
 class FakeRouter:
@@ -455,5 +462,66 @@ def test_a_trainer_that_skips_joining_is_refused_and_no_engine_rendezvous() -> N
         assert not engines.steps("init") and not coordinator.engines_paused
         assert committed == [] and len(engines.steps("continue")) == 3
         assert (await _events(coordinator, _stream(1, 1)))[-1] == ("committed", 1)
+
+    asyncio.run(main())
+
+
+def test_colocated_update_moves_payloads_without_a_group() -> None:
+    async def main() -> None:
+        coordinator, engines, router, committed = await _setup()
+        begin = _begin(colocated=True, master_port=0, group_name="", backend="")
+        buckets = [pb.WeightUpdateRequest(bucket=pb.WeightBucket(
+            bucket_index=i, tensors=[pb.TensorSpec(name=f"w{i}", dtype="bfloat16", shape=[2])],
+            serialized_named_tensors=f"payload-{i}")) for i in range(2)]
+        events = await _events(coordinator, _requests(
+            begin, *buckets, pb.WeightUpdateRequest(commit=pb.WeightUpdateCommit())))
+        assert events == [("group", (0, False)), ("bucket_loaded", 0), ("bucket_loaded", 1),
+                          ("committed", 2)]
+        assert not engines.steps("init") and not engines.steps("update")
+        order = [s for _, s, _ in engines.calls]
+        assert order[:6] == ["pause"] * 3 + ["resume"] * 3  # weights resumed before any load
+        assert engines.steps("resume")[0][1] == ["weights"]
+        assert sorted(b for _, b in engines.steps("tensor")) == ["payload-0"] * 3 + [
+            "payload-1"] * 3
+        assert [b for _, b in engines.steps("resume")][3:] == [None] * 3  # kv cache at commit
+        assert order.index("version") > max(i for i, s in enumerate(order) if s == "tensor")
+        assert committed == [2] and router.versions == [2] and not coordinator.engines_paused
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("colocated", "payload", "message"), [
+    (True, "", "serialized_named_tensors is needed in a colocated update"),
+    (False, "x", "serialized_named_tensors is only for colocated updates"),
+])
+def test_a_bucket_must_match_the_transport(colocated: bool, payload: str, message: str) -> None:
+    async def main() -> None:
+        coordinator, engines, router, committed = await _setup()
+        bucket = pb.WeightUpdateRequest(bucket=pb.WeightBucket(
+            bucket_index=0, tensors=[pb.TensorSpec(name="w", dtype="bfloat16", shape=[2])],
+            serialized_named_tensors=payload))
+        stream = _requests(_begin(colocated=colocated), bucket)
+        if not colocated:  # a broadcast update joins first
+            stream = _requests(_begin(), pb.WeightUpdateRequest(
+                joining=pb.WeightUpdateJoining()), bucket)
+        with pytest.raises(InvalidRequest, match=message):
+            await _events(coordinator, stream)
+        assert not engines.steps("tensor") and not engines.steps("update")
+
+    asyncio.run(main())
+
+
+def test_engines_release_their_memory_between_updates_only() -> None:
+    async def main() -> None:
+        coordinator, engines, router, committed = await _setup()
+        reply = await coordinator.release_memory([])
+        assert (reply.num_engines, reply.freed_bytes) == (3, 300)
+        assert engines.steps("release") == [(u, None) for u in URLS]
+        with pytest.raises(InvalidRequest, match=r"unknown memory tag\(s\) \['gpu'\]"):
+            await coordinator.release_memory(["gpu"])
+        async with coordinator._busy:  # an update in progress
+            with pytest.raises(Conflict, match="in progress"):
+                await coordinator.release_memory(["kv_cache"])
+        assert len(engines.steps("release")) == 3
 
     asyncio.run(main())

@@ -25,29 +25,33 @@ _sym_db = _symbol_database.Default()
 from services._proto.riptide.v1 import common_pb2 as riptide_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18riptide/v1/rollout.proto\x12\nriptide.v1\x1a\x17riptide/v1/common.proto\"}\n\x11WeightUpdateBegin\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"M\n\x0cWeightBucket\x12\x14\n\x0c\x62ucket_index\x18\x01 \x01(\r\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.riptide.v1.TensorSpec\"\x14\n\x12WeightUpdateCommit\"\x15\n\x13WeightUpdateJoining\"\xdf\x01\n\x13WeightUpdateRequest\x12.\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x1d.riptide.v1.WeightUpdateBeginH\x00\x12*\n\x06\x62ucket\x18\x02 \x01(\x0b\x32\x18.riptide.v1.WeightBucketH\x00\x12\x30\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1e.riptide.v1.WeightUpdateCommitH\x00\x12\x32\n\x07joining\x18\x04 \x01(\x0b\x32\x1f.riptide.v1.WeightUpdateJoiningH\x00\x42\x06\n\x04step\"B\n\x11WeightUpdateGroup\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x19\n\x11trainer_must_join\x18\x02 \x01(\x08\"z\n\x11WeightUpdateEvent\x12.\n\x05group\x18\x01 \x01(\x0b\x32\x1d.riptide.v1.WeightUpdateGroupH\x00\x12\x17\n\rbucket_loaded\x18\x02 \x01(\rH\x00\x12\x13\n\tcommitted\x18\x03 \x01(\x03H\x00\x42\x07\n\x05\x65vent2\xa1\x01\n\x07Rollout\x12S\n\rUpdateWeights\x12\x1f.riptide.v1.WeightUpdateRequest\x1a\x1d.riptide.v1.WeightUpdateEvent(\x01\x30\x01\x12\x41\n\tGetStatus\x12\x19.riptide.v1.StatusRequest\x1a\x19.riptide.v1.ServiceStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18riptide/v1/rollout.proto\x12\nriptide.v1\x1a\x17riptide/v1/common.proto\"*\n\x1aReleaseEngineMemoryRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"D\n\x18ReleaseEngineMemoryReply\x12\x13\n\x0bnum_engines\x18\x01 \x01(\r\x12\x13\n\x0b\x66reed_bytes\x18\x02 \x01(\x04\"\x90\x01\n\x11WeightUpdateBegin\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\r\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x11\n\tcolocated\x18\x06 \x01(\x08\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"o\n\x0cWeightBucket\x12\x14\n\x0c\x62ucket_index\x18\x01 \x01(\r\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.riptide.v1.TensorSpec\x12 \n\x18serialized_named_tensors\x18\x03 \x01(\t\"\x14\n\x12WeightUpdateCommit\"\x15\n\x13WeightUpdateJoining\"\xdf\x01\n\x13WeightUpdateRequest\x12.\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x1d.riptide.v1.WeightUpdateBeginH\x00\x12*\n\x06\x62ucket\x18\x02 \x01(\x0b\x32\x18.riptide.v1.WeightBucketH\x00\x12\x30\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1e.riptide.v1.WeightUpdateCommitH\x00\x12\x32\n\x07joining\x18\x04 \x01(\x0b\x32\x1f.riptide.v1.WeightUpdateJoiningH\x00\x42\x06\n\x04step\"B\n\x11WeightUpdateGroup\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x19\n\x11trainer_must_join\x18\x02 \x01(\x08\"z\n\x11WeightUpdateEvent\x12.\n\x05group\x18\x01 \x01(\x0b\x32\x1d.riptide.v1.WeightUpdateGroupH\x00\x12\x17\n\rbucket_loaded\x18\x02 \x01(\rH\x00\x12\x13\n\tcommitted\x18\x03 \x01(\x03H\x00\x42\x07\n\x05\x65vent2\x86\x02\n\x07Rollout\x12S\n\rUpdateWeights\x12\x1f.riptide.v1.WeightUpdateRequest\x1a\x1d.riptide.v1.WeightUpdateEvent(\x01\x30\x01\x12\x63\n\x13ReleaseEngineMemory\x12&.riptide.v1.ReleaseEngineMemoryRequest\x1a$.riptide.v1.ReleaseEngineMemoryReply\x12\x41\n\tGetStatus\x12\x19.riptide.v1.StatusRequest\x1a\x19.riptide.v1.ServiceStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'riptide.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTUPDATEBEGIN']._serialized_start=65
-  _globals['_WEIGHTUPDATEBEGIN']._serialized_end=190
-  _globals['_TENSORSPEC']._serialized_start=192
-  _globals['_TENSORSPEC']._serialized_end=248
-  _globals['_WEIGHTBUCKET']._serialized_start=250
-  _globals['_WEIGHTBUCKET']._serialized_end=327
-  _globals['_WEIGHTUPDATECOMMIT']._serialized_start=329
-  _globals['_WEIGHTUPDATECOMMIT']._serialized_end=349
-  _globals['_WEIGHTUPDATEJOINING']._serialized_start=351
-  _globals['_WEIGHTUPDATEJOINING']._serialized_end=372
-  _globals['_WEIGHTUPDATEREQUEST']._serialized_start=375
-  _globals['_WEIGHTUPDATEREQUEST']._serialized_end=598
-  _globals['_WEIGHTUPDATEGROUP']._serialized_start=600
-  _globals['_WEIGHTUPDATEGROUP']._serialized_end=666
-  _globals['_WEIGHTUPDATEEVENT']._serialized_start=668
-  _globals['_WEIGHTUPDATEEVENT']._serialized_end=790
-  _globals['_ROLLOUT']._serialized_start=793
-  _globals['_ROLLOUT']._serialized_end=954
+  _globals['_RELEASEENGINEMEMORYREQUEST']._serialized_start=65
+  _globals['_RELEASEENGINEMEMORYREQUEST']._serialized_end=107
+  _globals['_RELEASEENGINEMEMORYREPLY']._serialized_start=109
+  _globals['_RELEASEENGINEMEMORYREPLY']._serialized_end=177
+  _globals['_WEIGHTUPDATEBEGIN']._serialized_start=180
+  _globals['_WEIGHTUPDATEBEGIN']._serialized_end=324
+  _globals['_TENSORSPEC']._serialized_start=326
+  _globals['_TENSORSPEC']._serialized_end=382
+  _globals['_WEIGHTBUCKET']._serialized_start=384
+  _globals['_WEIGHTBUCKET']._serialized_end=495
+  _globals['_WEIGHTUPDATECOMMIT']._serialized_start=497
+  _globals['_WEIGHTUPDATECOMMIT']._serialized_end=517
+  _globals['_WEIGHTUPDATEJOINING']._serialized_start=519
+  _globals['_WEIGHTUPDATEJOINING']._serialized_end=540
+  _globals['_WEIGHTUPDATEREQUEST']._serialized_start=543
+  _globals['_WEIGHTUPDATEREQUEST']._serialized_end=766
+  _globals['_WEIGHTUPDATEGROUP']._serialized_start=768
+  _globals['_WEIGHTUPDATEGROUP']._serialized_end=834
+  _globals['_WEIGHTUPDATEEVENT']._serialized_start=836
+  _globals['_WEIGHTUPDATEEVENT']._serialized_end=958
+  _globals['_ROLLOUT']._serialized_start=961
+  _globals['_ROLLOUT']._serialized_end=1223
 # @@protoc_insertion_point(module_scope)

@@ -7,19 +7,35 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReleaseEngineMemoryRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseEngineMemoryReply(_message.Message):
+    __slots__ = ("num_engines", "freed_bytes")
+    NUM_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_engines: int
+    freed_bytes: int
+    def __init__(self, num_engines: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
 class WeightUpdateBegin(_message.Message):
-    __slots__ = ("weight_version", "master_address", "master_port", "group_name", "backend")
+    __slots__ = ("weight_version", "master_address", "master_port", "group_name", "backend", "colocated")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     master_address: str
     master_port: int
     group_name: str
     backend: str
-    def __init__(self, weight_version: _Optional[int] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    colocated: bool
+    def __init__(self, weight_version: _Optional[int] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., colocated: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -32,12 +48,14 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("bucket_index", "tensors")
+    __slots__ = ("bucket_index", "tensors", "serialized_named_tensors")
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     bucket_index: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    serialized_named_tensors: str
+    def __init__(self, bucket_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., serialized_named_tensors: _Optional[str] = ...) -> None: ...
 
 class WeightUpdateCommit(_message.Message):
     __slots__ = ()

@@ -41,6 +41,11 @@ class RolloutStub:
                 request_serializer=riptide_dot_v1_dot_rollout__pb2.WeightUpdateRequest.SerializeToString,
                 response_deserializer=riptide_dot_v1_dot_rollout__pb2.WeightUpdateEvent.FromString,
                 _registered_method=True)
+        self.ReleaseEngineMemory = channel.unary_unary(
+                '/riptide.v1.Rollout/ReleaseEngineMemory',
+                request_serializer=riptide_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryRequest.SerializeToString,
+                response_deserializer=riptide_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryReply.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/riptide.v1.Rollout/GetStatus',
                 request_serializer=riptide_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
@@ -61,6 +66,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseEngineMemory(self, request, context):
+        """Colocated mode: the engines free their memory (SGLang's /release_memory_occupation of
+        `tags`) while the trainer steps on the same devices; the next colocated update resumes it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -74,6 +87,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=riptide_dot_v1_dot_rollout__pb2.WeightUpdateRequest.FromString,
                     response_serializer=riptide_dot_v1_dot_rollout__pb2.WeightUpdateEvent.SerializeToString,
+            ),
+            'ReleaseEngineMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseEngineMemory,
+                    request_deserializer=riptide_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryRequest.FromString,
+                    response_serializer=riptide_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryReply.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -109,6 +127,33 @@ class Rollout:
             '/riptide.v1.Rollout/UpdateWeights',
             riptide_dot_v1_dot_rollout__pb2.WeightUpdateRequest.SerializeToString,
             riptide_dot_v1_dot_rollout__pb2.WeightUpdateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseEngineMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/riptide.v1.Rollout/ReleaseEngineMemory',
+            riptide_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryRequest.SerializeToString,
+            riptide_dot_v1_dot_rollout__pb2.ReleaseEngineMemoryReply.FromString,
             options,
             channel_credentials,
             insecure,

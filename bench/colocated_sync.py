@@ -1,0 +1,202 @@
+"""Colocated weight sync: seconds per sync through CUDA IPC handles against a plain
+device-to-device copy of the same bytes, in the same run.
+
+A built-in engine process holds a randomly initialised model of Qwen2-1.5B's shape (bf16, no
+download); this process plays the trainer with other random weights of the same shape on the
+same GPU and sends them with `ColocatedWeightSender` (buckets of `--bucket-mb`, SGLang's
+`/update_weights_from_tensor` payload). Measured: the median seconds of `--repeats` syncs;
+the median of the same bytes copied device to device as one flat buffer and tensor by tensor;
+one colocated cycle (release all, resume weights, sync, resume KV cache with graph capture)
+with the device's free memory before and after the release; the engine's log-probs of a
+greedy continuation against the trainer's own after the sync (max abs diff), and the weights
+read back from the engine against the trainer's (exact). JSON on the last line.
+
+    python bench/colocated_sync.py --device cuda              # Qwen2-1.5B shape, bf16
+    python bench/colocated_sync.py --device cpu --shape tiny  # a smoke run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.common.tiny_model import build_tokenizer  # noqa: E402
+from services.testing.engine_process import EngineProcess  # noqa: E402
+from services.trainer.weights.weight_ipc import ColocatedWeightSender  # noqa: E402
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
+    "tiny": dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+PROMPT = [(17 * i + 3) % 250 for i in range(32)]
+
+
+def build_model(shape: str, seed: int, device: str) -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         tie_word_embeddings=True, eos_token_id=0)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    for param in model.parameters():  # a wide spread: log-probs differ between seeds
+        param.data.normal_(0, 0.05)
+    return model.eval()
+
+
+def hf_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors: the tied output embedding is not one of them."""
+    seen: set[int] = set()
+    named = []
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        named.append((name, tensor.contiguous()))
+    return named
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], bucket_mb: float
+            ) -> list[list[tuple[str, torch.Tensor]]]:
+    out: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size, limit = 0, bucket_mb * 2**20
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if out[-1] and size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append((name, tensor))
+        size += nbytes
+    return out
+
+
+def timed(fn: Any, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def free_gib(device: str) -> float | None:
+    return round(torch.cuda.mem_get_info()[0] / 2**30, 2) if device == "cuda" else None
+
+
+def engine_logprobs(engine: EngineProcess) -> tuple[list[int], list[float]]:
+    out = engine.post("/generate", {
+        "input_ids": PROMPT, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True},
+    }).json()
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def trainer_logprobs(model: Any, output_ids: list[int], device: str) -> list[float]:
+    ids = torch.tensor([PROMPT + output_ids], device=device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(PROMPT) - 1:-1].float()
+    picked = torch.log_softmax(logits, -1).gather(1, ids[0, len(PROMPT):, None])
+    return [float(x) for x in picked[:, 0]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--shape", default="qwen2-1.5b", choices=list(SHAPES))
+    parser.add_argument("--bucket-mb", type=float, default=512.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = args.device
+    with tempfile.TemporaryDirectory(prefix="colocated-bench-") as tmp:
+        path = Path(tmp) / "model"
+        started = time.perf_counter()
+        build_model(args.shape, 0, device).save_pretrained(path)
+        build_tokenizer().save_pretrained(path)
+        trainer = build_model(args.shape, 1, device)
+        named = hf_tensors(trainer)
+        plan = buckets(named, args.bucket_mb)
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        setup_s = time.perf_counter() - started
+        engine_args = ["--device", device, "--dtype", "bfloat16", "--max-running-requests", "8",
+                       "--max-total-tokens", "16384", "--num-threads", "2"]
+        with EngineProcess(path, extra_args=engine_args, start_timeout_s=600) as engine:
+            sender = ColocatedWeightSender([engine.url], torch.bfloat16, timeout_s=600)
+            out_before, engine_before = engine_logprobs(engine)
+            before = max(abs(a - b) for a, b in zip(
+                engine_before, trainer_logprobs(trainer, out_before, device), strict=True))
+            # One colocated cycle, as around a trainer step.
+            cycle: dict[str, Any] = {"free_gib_before_release": free_gib(device)}
+            cycle["release_s"] = timed(lambda: cycle.update(released=sender.release()[0]),
+                                       device)
+            cycle["free_gib_after_release"] = free_gib(device)
+            cycle["resume_weights_s"] = timed(lambda: sender.resume(["weights"]), device)
+            cycle["sync_s"] = timed(lambda: sender.send(plan, "cycle"), device)
+            cycle["resume_kv_s"] = timed(
+                lambda: cycle.update(resumed=sender.resume(["kv_cache"])[0]), device)
+            cycle["free_gib_after_resume"] = free_gib(device)
+            syncs = [timed(lambda i=i: sender.send(plan, f"v{i}"), device)
+                     for i in range(args.repeats)]
+            phases = dict(sender.timings)
+            packer = ColocatedWeightSender([engine.url], torch.bfloat16, timeout_s=600,
+                                           pack_always=True)
+            packed = [timed(lambda i=i: packer.send(plan, f"p{i}"), device)
+                      for i in range(args.repeats)]
+            packed_phases = dict(packer.timings)
+            packer.close()
+            flat_src = torch.empty(total, dtype=torch.uint8, device=device)
+            flat_dst = torch.empty_like(flat_src)
+            copies = [timed(lambda: flat_dst.copy_(flat_src), device)
+                      for _ in range(args.repeats)]
+            clones = [torch.empty_like(t) for _, t in named]
+            per_tensor = [timed(lambda: [c.copy_(t) for c, (_, t) in zip(clones, named,
+                                                                          strict=True)], device)
+                          for _ in range(args.repeats)]
+            out_after, engine_after = engine_logprobs(engine)
+            ours = trainer_logprobs(trainer, out_after, device)
+            diff = max(abs(a - b) for a, b in zip(engine_after, ours, strict=True))
+            exact = all(torch.equal(  # the first 64 rows (or elements) of three tensors
+                torch.tensor(engine.post("/get_weights_by_name",
+                                         {"name": name, "truncate_size": 64}).json()),
+                tensor[:64].float().cpu())
+                for name, tensor in (named[0], named[len(named) // 2], named[-1]))
+            version = engine.get("/get_model_info").json()["weight_version"]
+            sender.close()
+    sync_s, copy_s, tensor_copy_s = (statistics.median(x) for x in (syncs, copies, per_tensor))
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "shape": args.shape, "dtype": "bfloat16",
+        "num_params": sum(t.numel() for _, t in named), "num_tensors": len(named),
+        "bytes": total, "bucket_mb": args.bucket_mb, "num_buckets": len(plan),
+        "repeats": args.repeats, "setup_s": round(setup_s, 1),
+        "sync_s": round(sync_s, 4), "syncs_s": [round(s, 4) for s in syncs],
+        "sync_phases_s": {k: round(v, 4) for k, v in phases.items()},
+        "packed_sync_s": round(statistics.median(packed), 4),
+        "packed_sync_phases_s": {k: round(v, 4) for k, v in packed_phases.items()},
+        "d2d_copy_flat_s": round(copy_s, 4), "d2d_copy_per_tensor_s": round(tensor_copy_s, 4),
+        "sync_over_flat_copy": round(sync_s / copy_s, 2),
+        "sync_over_per_tensor_copy": round(sync_s / tensor_copy_s, 2),
+        "sync_gb_per_s": round(total / sync_s / 1e9, 1),
+        "logprob_max_abs_diff_before_sync": round(before, 4),
+        "logprob_max_abs_diff_after_sync": round(diff, 4),
+        "weights_read_back_exact": exact, "engine_weight_version": version,
+        "cycle": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in cycle.items()},
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
