@@ -130,6 +130,10 @@ class _RecordingRollout(rollout_pb2_grpc.RolloutServicer):
             self.calls.append("UpdateWeights")
             yield rollout_pb2.WeightUpdateEvent(bucket_loaded=0)
 
+    async def ReleaseEngineMemory(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.calls.append("ReleaseEngineMemory")
+        return rollout_pb2.ReleaseEngineMemoryReply()
+
     async def GetStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
         self.calls.append("Rollout.GetStatus")
         return common_pb2.ServiceStatus(service="probe")
