@@ -112,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="the engine's weights and KV dtype (auto, the default: float32 on CPU)")
     ev.add_argument("--engine-threads", type=int, default=None,
                     help="the engine's CPU threads (default: the engine's own)")
+    ev.add_argument("--engine-device", default=None,
+                    help="the engine's torch device, e.g. cuda (default: the run's, else cpu)")
+    ev.add_argument("--also-sampled", type=int, default=0, metavar="N",
+                    help="after the main pass, score N episodes per task at --temperature "
+                         "with the same engine (JSON key `sampled`)")
 
     tasks = sub.add_parser("tasks", help="task folder utilities")
     tasks_sub = tasks.add_subparsers(dest="tasks_command", required=True)

@@ -39,11 +39,21 @@ def run_eval(args: argparse.Namespace) -> int:
         async def run() -> dict[str, object]:
             model = EngineModelClient(url, api_key=key)
             provider = LocalProvider(LocalProviderConfig())
+            chat = ChatFormat(load_tokenizer(str(model_dir)))
             try:
-                return await evaluate(
-                    settings.tasks, model, ChatFormat(load_tokenizer(str(model_dir))), provider,
-                    settings.agent, num_samples=settings.num_samples, greedy=settings.greedy,
+                result = await evaluate(
+                    settings.tasks, model, chat, provider, settings.agent,
+                    num_samples=settings.num_samples, greedy=settings.greedy,
                     temperature=settings.temperature, max_concurrent_episodes=args.concurrency)
+                if args.also_sampled:  # the same engine, no second start
+                    sampled = await evaluate(
+                        settings.tasks, model, chat, provider, settings.agent,
+                        num_samples=args.also_sampled, greedy=False,
+                        temperature=settings.temperature,
+                        max_concurrent_episodes=args.concurrency)
+                    result["sampled"] = {"samples": args.also_sampled,
+                                         "temperature": settings.temperature, **sampled}
+                return result
             finally:
                 await model.close()
                 await provider.close()

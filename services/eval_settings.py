@@ -3,9 +3,9 @@
 `riptide eval --run DIR` scores a checkpoint the way that run scored it: the tasks (the run's
 held-out `rollout.eval.task_ids` from its `sandbox.tasks_dir`), the agent (`sandbox.agent`,
 with the rollout's `max_new_tokens`), the sampling (`rollout.eval`: greedy or its temperature,
-episodes per task), the engine's arguments (`rollout.fleet.builtin_args`: dtype, threads) and
-the weights (the run's newest checkpoint, trained from `trainer.model.hf_path`). Any flag
-given overrides the run's value. Without `--run` the defaults below apply. Called by
+episodes per task), the engine's arguments (`rollout.fleet.builtin_args`: dtype, threads,
+device) and the weights (the run's newest checkpoint, trained from `trainer.model.hf_path`).
+Any flag given overrides the run's value. Without `--run` the defaults below apply. Called by
 services/cli.py before anything heavy starts, so a bad setting fails at once.
 """
 
@@ -69,7 +69,7 @@ def resolve(args: argparse.Namespace) -> EvalSettings:
         "max_new_tokens": pick("max_new_tokens"),
         "max_context_tokens": pick("max_context_tokens")})
     engine_args = _engine_args(run.get("builtin_args", []), args.engine_dtype,
-                               args.engine_threads)
+                               args.engine_threads, args.engine_device)
     if "--dtype" not in engine_args:
         engine_args = ["--dtype", DEFAULTS["engine_dtype"], *engine_args]
     return EvalSettings(
@@ -120,10 +120,13 @@ def _run_tasks(tasks_dir: Path, task_ids: list[str]) -> TaskSet:
     return TaskSet([tasks.get(t) for t in task_ids])
 
 
-def _engine_args(run_args: list[str], dtype: str | None, threads: int | None) -> list[str]:
-    """The run's engine arguments with --dtype and --num-threads replaced where given."""
+def _engine_args(run_args: list[str], dtype: str | None, threads: int | None,
+                 device: str | None = None) -> list[str]:
+    """The run's engine arguments with --dtype, --num-threads and --device replaced where
+    given."""
     out: list[str] = []
-    replaced = {"--dtype": dtype, "--num-threads": None if threads is None else str(threads)}
+    replaced = {"--dtype": dtype, "--num-threads": None if threads is None else str(threads),
+                "--device": device}
     skip = False
     for arg in run_args:
         if skip:

@@ -94,7 +94,8 @@ def test_riptide_eval_run_scores_the_way_the_run_did(tmp_path: Path) -> None:
         "sandbox": {"tasks_dir": str(REPO / "tasks" / "starter" / "heldout"),
                     "agent": {"max_turns": 2, "protocol": "markdown_bash"}}})
     (run / "config.toml").write_text(dump_config(config))
-    result = _riptide("--run", str(run), "--max-turns", "1", tmp=tmp_path / "work")
+    result = _riptide("--run", str(run), "--max-turns", "1", "--also-sampled", "2",
+                      tmp=tmp_path / "work")
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["checkpoint"] == str(run / "model")  # no checkpoint yet: the run's model
@@ -103,3 +104,8 @@ def test_riptide_eval_run_scores_the_way_the_run_did(tmp_path: Path) -> None:
     assert report["engine_args"] == ["--dtype", "float32", "--num-threads", "1"]
     assert (report["max_new_tokens"], report["max_turns"]) == (8, 1)
     assert report["protocol"] == "markdown_bash"
+    # --also-sampled: a second pass on the same engine, 2 episodes a task at the temperature
+    sampled = report["sampled"]
+    assert (sampled["samples"], sampled["greedy"], sampled["temperature"]) == (2, False, 0.8)
+    assert set(sampled["tasks"]) == {"last-line", "count-items"}
+    assert all(len(task["rewards"]) == 2 for task in sampled["tasks"].values()), sampled

@@ -64,6 +64,20 @@ def test_flags_override_the_run(tmp_path: Path) -> None:
     assert s.checkpoint == run / "checkpoints" / "step-00000002"
 
 
+def test_the_engine_device_is_the_runs_unless_a_flag_names_one(tmp_path: Path) -> None:
+    run = tmp_path / "gpu-run"
+    config = local_config(run, {"rollout": {"fleet": {"builtin_args": [
+        "--device", "cuda", "--dtype", "bfloat16"]}}, "sandbox": {"tasks_dir": str(HELDOUT)}})
+    run.mkdir()
+    (run / "config.toml").write_text(dump_config(config))
+    assert _settings("--run", str(run)).engine_args == ["--device", "cuda", "--dtype",
+                                                        "bfloat16"]
+    assert _settings("--run", str(run), "--engine-device", "cpu").engine_args == [
+        "--dtype", "bfloat16", "--device", "cpu"]
+    assert _settings("--tasks", str(HELDOUT), "--engine-device", "cuda:1").engine_args == [
+        "--dtype", "auto", "--device", "cuda:1"]
+
+
 def test_without_a_run_the_defaults_apply(tmp_path: Path) -> None:
     s = _settings("--tasks", str(HELDOUT))
     assert (s.agent.max_turns, s.agent.max_new_tokens, s.agent.protocol) == (4, 96, "markdown_bash")
