@@ -49,18 +49,24 @@ def fetch_model(name: str, cache_dir: Path) -> Path:
         raise ConfigError("converting a GGUF model needs the `gguf` package: "
                           "pip install 'riptide[smollm2]' (or pip install gguf)")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loaded = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32,
-        quantization_config=GgufConfig(gguf_file=source.name, dequantize=True))
+        source.parent, gguf_file=source.name, dtype=torch.float32, **_dequantized(source.name))
     config = loaded.config
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):
             delattr(config, attr)
+    specials = gguf_special_tokens(source)
+    for key, token_id in specials.items():
+        setattr(config, f"{key}_token_id", token_id)
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
+    for key, token_id in specials.items():
+        setattr(plain.generation_config, f"{key}_token_id", token_id)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    for key, token_id in specials.items():  # transformers versions read them differently
+        setattr(tokenizer, f"{key}_token", tokenizer.convert_ids_to_tokens(token_id))
     staging = cache_dir / f".{name}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     plain.save_pretrained(staging, safe_serialization=True)
@@ -68,6 +74,33 @@ def fetch_model(name: str, cache_dir: Path) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
     return folder
+
+
+def gguf_special_tokens(path: Path) -> dict[str, int]:
+    """The GGUF file's own bos, eos and pad token ids (`tokenizer.ggml.*_token_id`), which
+    the converted folder's config, generation config and tokenizer all take: transformers
+    releases have mapped them differently (one named `<|im_start|>` SmolLM2's eos)."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    out = {}
+    for key, field in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
+                       ("pad", "padding_token_id")):
+        value = fields.get(f"tokenizer.ggml.{field}")
+        if value is not None:
+            out[key] = int(value.contents())
+    return out
+
+
+def _dequantized(gguf_file: str) -> dict[str, object]:
+    """The `from_pretrained` argument that unpacks a GGUF file's weights at load time: newer
+    transformers keep them in GGUF blocks unless told (GgufConfig); older ones, which have no
+    GgufConfig, always unpack them."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(gguf_file=gguf_file, dequantize=True)}
 
 
 def _quantized(folder: Path) -> bool:
