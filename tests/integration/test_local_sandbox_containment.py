@@ -282,6 +282,26 @@ def test_broken_bubblewrap_is_an_error_not_a_fallback(tmp_path: Path) -> None:
         LocalProvider(LocalProviderConfig(bwrap_path="/bin/false", root_dir=tmp_path))
 
 
+def test_bubblewrap_is_looked_up_on_path_by_default(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default `bwrap` is found on PATH (a node where it is unpacked elsewhere); a name
+    that is not there is named in the error, with the fix."""
+    real = shutil.which("bwrap")
+    assert real is not None
+    elsewhere = Path(tempfile.mkdtemp(prefix="riptide-bin-"))  # the sandboxes' uids run it
+    try:
+        elsewhere.chmod(0o755)
+        (elsewhere / "bwrap").symlink_to(real)
+        monkeypatch.setenv("PATH", f"{elsewhere}:/usr/bin:/bin")
+        provider = LocalProvider(LocalProviderConfig(root_dir=elsewhere / "sandboxes"))
+        assert provider.config.bwrap_path == str(elsewhere / "bwrap")
+        run(provider.close())
+    finally:
+        shutil.rmtree(elsewhere)
+    with pytest.raises(SandboxError, match=r"bubblewrap not found on PATH \('no-such-bwrap'\)"):
+        LocalProvider(LocalProviderConfig(bwrap_path="no-such-bwrap", root_dir=tmp_path))
+
+
 UNPRIVILEGED_SCRIPT = """
 import asyncio, sys
 from pathlib import Path

@@ -64,7 +64,8 @@ class LocalProviderConfig(StrictModel):
     root_dir: Path | None = Field(
         None, description="where sandbox trees live (default: /dev/shm if a tmpfs, else tmp)"
     )
-    bwrap_path: str = Field("/usr/bin/bwrap", description="the bubblewrap binary")
+    bwrap_path: str = Field(
+        "bwrap", description="the bubblewrap binary: a path, or a name looked up on PATH")
     max_processes: int = Field(256, ge=8, description="processes+threads per sandbox (NPROC)")
     max_memory_mb: int = Field(4096, ge=64, description="cap on a task's memory: all its "
                                "processes together (cgroup) and each one's RLIMIT_AS")
@@ -109,9 +110,15 @@ class LocalProvider(SandboxProvider):
     supports_listing = True
 
     def __init__(self, config: LocalProviderConfig) -> None:
-        self.config = config
-        if not os.access(config.bwrap_path, os.X_OK):
-            raise SandboxError(f"bubblewrap not found at {config.bwrap_path}; install bubblewrap")
+        found = (config.bwrap_path if "/" in config.bwrap_path
+                 else shutil.which(config.bwrap_path))
+        if found is None or not os.access(found, os.X_OK):
+            where = f"at {config.bwrap_path}" if "/" in config.bwrap_path else (
+                f"on PATH ({config.bwrap_path!r})")
+            raise SandboxError(f"bubblewrap not found {where}; install bubblewrap (Debian/"
+                               "Ubuntu: apt-get install bubblewrap) or set the local "
+                               "provider's bwrap_path")
+        self.config = config.model_copy(update={"bwrap_path": found})
         base = config.root_dir or _default_root()
         base.mkdir(parents=True, exist_ok=True)
         os.chmod(base, 0o711)
