@@ -151,7 +151,16 @@ def train_step(
     sums = settle(sums)
     if shard is not None:
         sums = shard.sum(sums)
-    return {**step_metrics(sums, settle(step_sums), plan), **replay_counts(policy, shard)}
+    return {**step_metrics(sums, settle(step_sums), plan), **replay_counts(policy, shard),
+            **cuda_peak_memory()}
+
+
+def cuda_peak_memory() -> dict[str, float]:
+    """This rank's peak GPU memory so far (what its allocator reserved), in GiB; nothing on
+    CPU."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {"cuda_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
 
 
 def replay_counts(policy: Policy, shard: DataShard | None) -> dict[str, float]:

@@ -58,7 +58,9 @@ class TrainerStats:
         self._last: StepRecord | None = None
         self.total_wait_s = 0.0
         self.total_step_s = 0.0
+        self.total_weight_sync_s = 0.0
         self.total_tokens = 0
+        self.steps_recorded = 0
         self.phase = "starting"
         self.sync_failures = 0          # failed weight-sync tries, whole run
         self.last_sync_error: str | None = None
@@ -122,7 +124,9 @@ class TrainerStats:
             self._last = rec
             self.total_wait_s += rec.wait_s
             self.total_step_s += rec.step_s
+            self.total_weight_sync_s += rec.weight_sync_s
             self.total_tokens += rec.num_tokens
+            self.steps_recorded += 1
             values = self._values(rec)
         for key, value in values.items():
             self._gauges[key].set(value)
@@ -157,6 +161,8 @@ class TrainerStats:
                 "phase": self.phase,
                 "total_wait_s": round(self.total_wait_s, 3),
                 "total_step_s": round(self.total_step_s, 3),
+                "total_weight_sync_s": round(self.total_weight_sync_s, 3),
+                "steps_recorded": self.steps_recorded,
                 "total_tokens": self.total_tokens,
                 "sync_failures": self.sync_failures,
                 "last_sync_error": self.last_sync_error,
