@@ -24,7 +24,17 @@ first, the stop lets it finish the step it is in. Either way the figures are cou
 stop from what the run saved: `steps` (and `per_step_reward`) from its trainer.step events,
 `checkpoint_step` from its checkpoints, the one the final eval scores; the two are equal.
 
-Usage: python bench/learning.py [--steps 40] [--budget-min 30] [--warm-start-steps 0]
+On one GPU (`--device cuda`, `make learn-gpu`) the same loop runs colocated: the engine and the
+trainer share the GPU, weights move through CUDA IPC (`trainer.weight_sync.mode = "colocated"`),
+and the defaults are chosen for learning rather than for two cores (GPU_DEFAULTS: 100 steps, 128
+episodes in flight, two groups of 8 a step, no recompute, Adam in memory). Each held-out eval
+then also scores 4 episodes a task at T 0.8 on the same engine (`--eval-samples`), and the
+JSON adds the engine's tokens/s over the RL phase (its own generation counter), the weight
+sync's seconds per step and the memory of the trainer (its CUDA allocator's peak) and of the
+engine (weights, KV slots and what its CUDA allocator reserved; on CPU the first two).
+
+Usage: python bench/learning.py [--device cpu|cuda] [--steps 40] [--budget-min 30]
+                                [--warm-start-steps 0]
 Last line: {"steps": n, "checkpoint_step": n, "per_step_reward": [...], "heldout_initial": x,
             "heldout_final": y,
             "eval_by_weight_version": {...}, "warm_start": {...} | null, "wall_s": ...}
@@ -55,25 +65,35 @@ AGENT = {"protocol": "markdown_bash", "max_turns": 3, "max_new_tokens": 64,
          "max_context_tokens": 2048, "wall_time_s": 300.0, "default_command_timeout_s": 10.0}
 
 
-def _resolve_dtype(dtype: str) -> str:
-    """`auto`: bfloat16 where oneDNN has bf16 kernels for this processor, else float32."""
+def _resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """`auto`: bfloat16 on a GPU and where oneDNN has bf16 kernels for this processor, else
+    float32."""
     if dtype != "auto":
         return dtype
+    if device == "cuda":
+        return "bfloat16"
     import torch
 
     return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
 
-def _eval(checkpoint: Path, base: Path | None, work: Path, dtype: str) -> dict[str, Any]:
+def _eval(checkpoint: Path, base: Path | None, work: Path, args: argparse.Namespace
+          ) -> dict[str, Any]:
+    """`riptide eval` of the held-out tasks: greedy, then `--eval-samples` episodes a task at
+    T 0.8 on the same engine (under the key `sampled`)."""
     cmd = [sys.executable, "-m", "services.cli", "eval", "--tasks", str(STARTER / "heldout"),
            "--checkpoint", str(checkpoint), "--greedy", "--dir", str(work),
-           "--engine-dtype", dtype, "--concurrency", "5",
+           "--engine-dtype", args.dtype, "--engine-device", args.device,
+           "--concurrency", str(args.eval_concurrency),
+           "--also-sampled", str(args.eval_samples), "--temperature", "0.8",
            "--protocol", AGENT["protocol"], "--max-turns", str(AGENT["max_turns"]),
            "--max-new-tokens", str(AGENT["max_new_tokens"]),
            "--max-context-tokens", str(AGENT["max_context_tokens"])]
     if base is not None:
         cmd += ["--base", str(base)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if out.returncode != 0:
+        raise SystemExit(f"riptide eval failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -112,7 +132,9 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
             "task_sampling": args.task_sampling},
             "fleet": {"model_path": str(model), "start_timeout_s": 600.0,
                       "builtin_args": ["--num-threads", str(args.engine_threads),
-                                       "--dtype", args.dtype]},
+                                       "--dtype", args.dtype, "--device", args.device,
+                                       # every episode in flight decodes in one batch
+                                       "--max-running-requests", str(max(64, args.in_flight))]},
             "eval": {"interval_steps": args.eval_interval, "task_ids": heldout,
                      "greedy": True}},
         "sandbox": {"tasks_dir": str(_tasks_dir(run_dir)), "tokenizer_path": str(model),
@@ -126,7 +148,10 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
                          "recompute_num_layers": 1} if args.recompute else {})},
                     "optimizer": {"lr": args.lr, "stream_optimizer_state_to_disk": (
                         str(run_dir / "adam-state") if args.optimizer_on_disk else None)},
-                    "weight_sync": {"dtype": args.dtype}},
+                    # One GPU: no NCCL group between two processes on one device; the
+                    # trainer hands its weights over through CUDA IPC (docs/colocated.md).
+                    "weight_sync": {"dtype": args.dtype, **(
+                        {"mode": "colocated"} if args.device == "cuda" else {})}},
     })
 
 
@@ -138,6 +163,37 @@ def _details(config: Any, name: str) -> dict[str, Any]:
         return dict(reply.json().get("details") or {})
     except (httpx.HTTPError, ValueError):
         return {}
+
+
+def _engine_url(config: Any) -> str | None:
+    engines = _details(config, "rollout").get("engines") or []
+    return str(engines[0]["url"]).rstrip("/") if engines and engines[0].get("url") else None
+
+
+def _generated_tokens(url: str | None) -> float | None:
+    """The engine's own count of tokens generated so far (its /metrics counter)."""
+    if url is None:
+        return None
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("sglang:generation_tokens_total")]
+    return sum(values) if values else None
+
+
+def _engine_memory_gib(config: Any, url: str | None) -> dict[str, float]:
+    """The engine's memory split (weights, KV slots, what its CUDA allocator reserved), GiB."""
+    if url is None:
+        return {}
+    try:
+        info = httpx.get(f"{url}/get_server_info", timeout=10, headers={
+            "Authorization": f"Bearer {config.run.engine_api_key}"}).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    usage = info.get("memory_usage") or {}
+    return {k.removesuffix("_bytes") + "_gib": round(v / 2**30, 3) for k, v in usage.items()}
 
 
 def _rss_mb(pid: int) -> float:
@@ -157,6 +213,17 @@ def _cache_hit_rate(events: list[Event]) -> float | None:
     return None if rate is None else round(rate, 3)
 
 
+def _success_line(result: dict[str, Any]) -> str:
+    """`greedy 0.1 (task, ...)`, and the sampled pass's success where there is one."""
+    solved = [t for t, r in result["tasks"].items() if r["success"] > 0]
+    line = f"greedy {result['mean_success']:.2f} ({', '.join(solved) or 'none'})"
+    sampled = result.get("sampled")
+    if sampled:
+        line += (f"; {sampled['samples']} samples at T {sampled['temperature']}: "
+                 f"{sampled['mean_success']:.3f}")
+    return line
+
+
 def trained_steps(events: list[Event]) -> dict[int, dict[str, Any]]:
     """Each trained step's figures, from the saved events: the steps the trainer trained,
     including one it finished on the way out when the budget ran out (a step retrained after
@@ -164,17 +231,35 @@ def trained_steps(events: list[Event]) -> dict[int, dict[str, Any]]:
     return {int(e.attrs["step"]): e.attrs for e in events if e.kind == "trainer.step"}
 
 
-def main() -> None:
+#: What a flag left out means, per device: two CPU cores, or one GPU shared by engine and
+#: trainer (colocated). The GPU's are chosen for learning: more episodes in flight, more
+#: groups a step, no recompute, Adam's state in memory.
+CPU_DEFAULTS: dict[str, Any] = {
+    "steps": 40, "budget_min": 30.0, "in_flight": 16, "group_size": 8, "groups_per_step": 1,
+    "microbatch_tokens": 2048, "recompute": True, "optimizer_on_disk": True,
+    "eval_interval": 10, "checkpoint_interval": 5, "eval_samples": 0, "eval_concurrency": 5}
+GPU_DEFAULTS: dict[str, Any] = {
+    "steps": 100, "budget_min": 6.0, "in_flight": 128, "group_size": 8, "groups_per_step": 2,
+    "microbatch_tokens": 8192, "recompute": False, "optimizer_on_disk": False,
+    "eval_interval": 20, "checkpoint_interval": 25, "eval_samples": 4, "eval_concurrency": 40}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--budget-min", type=float, default=30.0, help="wall time of the run")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: engine and trainer share one GPU (colocated weight sync)")
+    parser.add_argument("--steps", type=int, default=None, help="default: 40 on CPU, 100 on GPU")
+    parser.add_argument("--budget-min", type=float, default=None,
+                        help="wall time of the RL phase (default: 30 on CPU, 6 on GPU)")
     parser.add_argument("--model", type=Path, default=None, help="default: smollm2-135m")
     parser.add_argument("--dir", type=Path, default=REPO / ".riptide" / "learn")
     parser.add_argument("--lr", type=float, default=2e-5)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--groups-per-step", type=int, default=1)
-    parser.add_argument("--in-flight", type=int, default=16,
-                        help="episodes in flight: two groups decode as one batch")
+    parser.add_argument("--group-size", type=int, default=None)
+    parser.add_argument("--groups-per-step", type=int, default=None,
+                        help="default: 1 on CPU, 2 on GPU")
+    parser.add_argument("--in-flight", type=int, default=None,
+                        help="episodes in flight (default: 16 on CPU, two groups decoding as "
+                        "one batch; 128 on GPU)")
     parser.add_argument("--task-sampling", default="informative",
                         choices=("informative", "cycle"),
                         help="informative: tasks drawn by the chance that a group of them has "
@@ -182,29 +267,46 @@ def main() -> None:
     parser.add_argument("--cooldown-passes", type=int, default=2,
                         help="cycle: passes a task sits out after a zero-variance group")
     parser.add_argument("--engine-threads", type=int, default=2)
-    parser.add_argument("--microbatch-tokens", type=int, default=2048,
-                        help="trainer micro-batch size: 2048 holds a group's shared prompt and "
-                        "its 8 continuations")
+    parser.add_argument("--microbatch-tokens", type=int, default=None,
+                        help="trainer micro-batch size (CPU: 2048 holds a group's shared prompt "
+                        "and its 8 continuations; GPU: 8192)")
     parser.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
                         help="packed rows, each group's prompt scored once (trainer.shared_prefix)")
-    parser.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
-                        help="recompute each layer's activations in the backward (the trainer "
-                        "idles while the engine generates; this keeps it under 3 GB)")
+    parser.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                        help="recompute each layer's activations in the backward (default on "
+                        "CPU, where the trainer idles while the engine generates and this "
+                        "keeps it under 3 GB; off on GPU)")
     parser.add_argument("--optimizer-on-disk", action=argparse.BooleanOptionalAction,
-                        default=True, help="Adam's fp32 state in files under the run dir")
-    parser.add_argument("--eval-interval", type=int, default=10)
-    parser.add_argument("--checkpoint-interval", type=int, default=5,
+                        default=None, help="Adam's fp32 state in files under the run dir "
+                        "(default on CPU, off on GPU)")
+    parser.add_argument("--eval-interval", type=int, default=None,
+                        help="weight versions between evaluations during training")
+    parser.add_argument("--checkpoint-interval", type=int, default=None,
                         help="trainer steps between checkpoints (the last step is always "
                         "checkpointed when the run stops; the final eval scores it)")
+    parser.add_argument("--eval-samples", type=int, default=None,
+                        help="held-out episodes a task at T 0.8 besides the greedy one, before "
+                        "and after RL (default: 0 on CPU, 4 on GPU)")
+    parser.add_argument("--eval-concurrency", type=int, default=None,
+                        help="held-out episodes at once in the before/after evals")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                        help="engine and trainer compute dtype (auto: bfloat16 where the CPU "
-                        "has bf16 kernels, else float32)")
+                        help="engine and trainer compute dtype (auto: bfloat16 on a GPU and "
+                        "where the CPU has bf16 kernels, else float32)")
     parser.add_argument("--warm-start-steps", type=int, default=0,
                         help="riptide sft steps (4 trajectories each) before RL; 0 (the "
                         "default): RL from the raw model")
     parser.add_argument("--warm-start-lr", type=float, default=3e-5)
-    args = parser.parse_args()
-    args.dtype = _resolve_dtype(args.dtype)
+    args = parser.parse_args(argv)
+    defaults = GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.dtype = _resolve_dtype(args.dtype, args.device)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     started = time.monotonic()
     if args.model is None:
         from services.common.model_fetch import fetch_model
@@ -222,19 +324,24 @@ def main() -> None:
         rl_from = f"warm start: riptide sft, {args.warm_start_steps} steps"
     print(f"[learn] held-out eval of the initial weights ({args.model})", file=sys.stderr,
           flush=True)
-    initial = _eval(args.model, None, run_dir / "eval-initial", args.dtype)
+    initial = _eval(args.model, None, run_dir / "eval-initial", args)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    say(f"[learn] initial held-out success {_success_line(initial)}")
     rl_started = time.monotonic()
     deadline = rl_started + args.budget_min * 60
     config = _config(run_dir, args.model, args)
     path = run_dir / "config.toml"
     path.write_text(dump_config(config))
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     # The trainer stops itself after --steps; a stop at the budget lets it finish its step.
     stack = LocalStack(run_dir, path, say=say, max_steps=args.steps)
     progress = StepProgress(config.redis, config.run.name, args.steps)
     trainer_rss_mb = 0.0
+    engine_memory: dict[str, float] = {}
+    generated: list[tuple[float, float | None]] = []
     try:
         stack.start(ready_timeout_s=900)
+        engine_url = _engine_url(config)
+        generated.append((time.monotonic(), _generated_tokens(engine_url)))
         while not trainer_finished(config, args.steps) and time.monotonic() < deadline:
             stack.check_children()  # restarts a dead service; raises when one keeps dying
             child = stack.children.get("trainer")
@@ -243,6 +350,8 @@ def main() -> None:
             for line in progress.poll():  # the lines `riptide up` prints, steps and evals
                 say(line)
             time.sleep(1.0)
+        generated.append((time.monotonic(), _generated_tokens(engine_url)))
+        engine_memory = _engine_memory_gib(config, engine_url)
         rollout = _details(config, "rollout").get("scheduler", {})
         trainer = _details(config, "trainer")
     finally:
@@ -256,10 +365,15 @@ def main() -> None:
     steps = trained_steps(events)
     checkpoint_step = latest_checkpoint_step(run_dir / "checkpoints")
     final = (_eval(run_dir / "checkpoints" / f"step-{checkpoint_step:08d}", args.model,
-                   run_dir / "eval-final", args.dtype) if checkpoint_step else {})
+                   run_dir / "eval-final", args) if checkpoint_step else {})
+    if final:
+        say(f"[learn] final held-out success {_success_line(final)}")
     last_step = steps[max(steps)] if steps else {}
+    last_metrics = (trainer.get("last_step") or {}).get("metrics") or {}
+    (t0, tokens0), (t1, tokens1) = (generated + [(0.0, None)] * 2)[:2]
     print(json.dumps({
-        "model": str(args.model), "rl_from": rl_from, "dtype": args.dtype,
+        "model": str(args.model), "rl_from": rl_from, "device": args.device,
+        "dtype": args.dtype, "weight_sync": config.trainer.weight_sync.mode,
         "shared_prefix": args.shared_prefix,
         "steps": max(steps, default=0), "checkpoint_step": checkpoint_step,
         "groups_trained": sum(int(a.get("groups") or 0) for a in steps.values()),
@@ -272,6 +386,19 @@ def main() -> None:
         "mismatch_kl_last_step": last_step.get("mismatch_kl"),
         "trainer_idle_fraction": round(trainer.get("total_wait_s", 0.0) / rl_wall_s, 3),
         "trainer_peak_rss_mb": round(trainer_rss_mb),
+        "heldout_sampled_initial": (initial.get("sampled") or {}).get("mean_success"),
+        "heldout_sampled_final": (final.get("sampled") or {}).get("mean_success"),
+        "eval_samples": args.eval_samples,
+        "engine_tokens_per_s": None if tokens0 is None or tokens1 is None
+        else round((tokens1 - tokens0) / max(t1 - t0, 1e-9), 1),
+        "weight_sync_s_per_step": round(trainer["total_weight_sync_s"]
+                                        / trainer["steps_recorded"], 4)
+        if trainer.get("steps_recorded") else None,
+        # the trainer's allocator peak (on a GPU) and the engine's split at the end
+        "memory_gib": {"trainer_peak_cuda_reserved": round(
+            last_metrics["cuda_peak_reserved_gib"], 3)
+            if "cuda_peak_reserved_gib" in last_metrics else None,
+            "engine": engine_memory},
         "cache_hit_rate": _cache_hit_rate(events),
         "task_sampler_at_end": rollout.get("task_sampler"),
         "heldout_initial_tasks": {t: r["success"] for t, r in initial["tasks"].items()},
