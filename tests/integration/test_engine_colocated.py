@@ -191,3 +191,29 @@ def test_repeated_syncs_reuse_the_mappings(engine: EngineProcess, new_model: Any
         assert reply.status_code == 400 and "unknown parameter name 'model.nope'" in message(reply)
     sender.close()
     other.close()
+
+
+def test_live_storages_go_as_they_are_and_are_read_in_place(engine: EngineProcess,
+                                                            new_model: Any) -> None:
+    """Tensors that stay the same storages (in shared memory here, as CUDA tensors would be
+    on a GPU) are sent as they are: the engine keeps their payload and reads the values the
+    trainer wrote in place since."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    params = [(n, t.detach().clone().share_memory_()) for n, t in new_model.state_dict().items()]
+    originals = [t.clone() for _, t in params]
+    sender = ColocatedWeightSender([engine.url], torch.float32, timeout_s=60)
+    start = engine.get("/get_server_info").json()["shared_tensors"]
+    for step in range(4):
+        for (_, tensor), original in zip(params, originals, strict=True):
+            tensor.copy_(original * (1 + step / 8))  # the trainer's step, in place
+        sender.send([params[:4], params[4:]], f"live-{step}")
+        got = torch.tensor(engine.post("/get_weights_by_name", {"name": params[-1][0]}).json())
+        assert torch.equal(got, params[-1][1][:len(got)])
+    assert sender.shares.modes() == {"fresh": 0, "direct": 2, "staged": 0}
+    assert sender.shares.num_bytes == 0  # no staging buffer
+    now = engine.get("/get_server_info").json()["shared_tensors"]
+    # A shared file pickles the same way every time, so sync 1's fresh payloads equal sync
+    # 2's direct ones and are kept from sync 2 on (CUDA pickles differ: from sync 3 on).
+    assert now["num_opened"] - start["num_opened"] == 4
+    assert now["num_reused"] - start["num_reused"] == 4
+    sender.close()

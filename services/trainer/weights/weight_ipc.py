@@ -1,23 +1,21 @@
 """Colocated weight sync: the trainer hands its tensors to engines on the same GPU (or the same
 host) through CUDA IPC handles, with no collective group.
 
-Per bucket (`bucket_mb`), `ColocatedWeightSender` copies the trainer's gathered, Hugging
-Face-named tensors into a `StagingBuffer` (one grouped copy into views of one flat buffer of
-the engine dtype, allocated once and reused by every bucket of every sync), and POSTs the
-bucket's payload to every engine's `/update_weights_from_tensor` (SGLang's contract, load_format
-None). The payload (`tensor_payload.encode`: a torch multiprocessing pickle, in which the
-buffer is one CUDA IPC handle) is pickled once per bucket layout and re-sent as it is, so an
-engine that keeps the handle open loads every later sync without opening or unpickling
-anything. The buffer costs the trainer one bucket of memory for as long as the sender lives.
-On CPU the buffer is a shared-memory file (torch's file_system strategy) and the path is
-otherwise the same.
+Per bucket (`bucket_mb`), `ColocatedWeightSender` shares the trainer's gathered, Hugging
+Face-named tensors through `BucketShares` (as they are when they are the same live storages
+every sync, else copied into one persistent staging buffer) and POSTs the bucket's payload to
+every engine's `/update_weights_from_tensor` (SGLang's contract, load_format None). The
+payload (`tensor_payload.encode`: a torch multiprocessing pickle of CUDA IPC handles) is
+pickled once per bucket layout and re-sent as it is, so an engine that keeps the handles open
+loads every later sync without opening or unpickling anything. On CPU the staging buffer is a
+shared-memory file (torch's file_system strategy) and the path is otherwise the same.
 
 It also drives SGLang's `/release_memory_occupation` and `/resume_memory_occupation`, which
 colocated mode calls around the trainer's step. `ColocatedWeightSync` is the trainer's
 `WeightSync` for `weight_sync.mode = "colocated_direct"` (engines at known URLs, no rollout
 service): rank 0 sends, the other ranks only drive the gathers (weights/weight_sync.py's protocol).
 `weight_sync.mode = "colocated"` goes through the rollout service instead
-(`RolloutWeightSync`, which puts a `StagingBuffer`'s payload into each WeightBucket).
+(`RolloutWeightSync`, which puts a `BucketShares` payload into each WeightBucket).
 """
 
 from __future__ import annotations
@@ -32,81 +30,30 @@ from typing import Any
 import httpx
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 
 from services.common.engine_contract import bearer
 from services.common.errors import Unavailable
-from services.common.tensor_payload import encode
 from services.trainer.model.model import ModelShape
 from services.trainer.model_config import WeightSyncConfig
+from services.trainer.weights.bucket_shares import Bucket, BucketShares
 from services.trainer.weights.convert import iter_hf_buckets
 from services.trainer.weights.weight_sync import WeightSyncReport
 
 log = logging.getLogger(__name__)
-Bucket = list[tuple[str, torch.Tensor]]
 JSON = {"content-type": "application/json"}
-
-
-class StagingBuffer:
-    """One flat buffer of the engine dtype per device, reused by every bucket of every sync,
-    and each bucket layout's payload, pickled once: the engines see the same IPC handle and
-    the same payload every sync. The buffer grows to the largest bucket (a new handle, so the
-    payloads of the old one are dropped)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self._buffers: dict[torch.device, torch.Tensor] = {}
-        self._payloads: dict[tuple[Any, ...], tuple[str, Bucket]] = {}
-
-    def share(self, bucket: Bucket) -> tuple[str, Bucket]:
-        """The bucket copied into the buffer: its payload and the views it names (valid until
-        the next `share`)."""
-        device = bucket[0][1].device
-        layout = (device, tuple((name, tuple(t.shape)) for name, t in bucket))
-        cached = self._payloads.get(layout)
-        if cached is None:
-            cached = self._encode(device, bucket)
-            self._payloads[layout] = cached
-        payload, views = cached
-        # One grouped copy (it casts and gathers strided sources as it goes).
-        torch._foreach_copy_([v for _, v in views], [t for _, t in bucket])
-        if device.type == "cuda":
-            # The engine reads the buffer without waiting on an event of ours.
-            torch.cuda.current_stream(device).synchronize()
-        return payload, views
-
-    def _encode(self, device: torch.device, bucket: Bucket) -> tuple[str, Bucket]:
-        numel = sum(t.numel() for _, t in bucket)
-        buffer = self._buffers.get(device)
-        if buffer is None or buffer.numel() < numel:
-            self._payloads = {k: v for k, v in self._payloads.items() if k[0] != device}
-            buffer = torch.empty(numel, dtype=self.dtype, device=device)
-            if device.type == "cpu":
-                torch_mp.set_sharing_strategy("file_system")
-                buffer.share_memory_()
-            self._buffers[device] = buffer
-        views, start = [], 0
-        for name, tensor in bucket:
-            views.append((name, buffer[start:start + tensor.numel()].view(tensor.shape)))
-            start += tensor.numel()
-        return encode(views), views
-
-    @property
-    def num_bytes(self) -> int:
-        """The memory the buffers hold."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
 class ColocatedWeightSender:
     """Posts shared tensors (and memory release/resume) to a set of engines."""
 
     def __init__(self, engine_urls: list[str], dtype: torch.dtype, timeout_s: float,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, direct: bool = True) -> None:
+        """`direct` False: stage every bucket, also tensors that could go as they are."""
         self.urls = [u.rstrip("/") for u in engine_urls]
         self.dtype = dtype
-        self.staging = StagingBuffer(dtype)
-        #: seconds of the last send: staging here (copy, and pickling a new layout), and the
-        #: engines' opening (unpickling) and loading
+        self.shares = BucketShares(dtype, direct)
+        #: seconds of the last send: sharing here (staging copies, pickling new layouts), and
+        #: the engines' opening (unpickling) and loading
         self.timings: dict[str, float] = {}
         self.http = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)))
@@ -128,13 +75,13 @@ class ColocatedWeightSender:
     def send_bucket(self, bucket: Bucket, last: bool, version: str | None) -> int:
         """One bucket to every engine; returns its bytes."""
         started = time.perf_counter()
-        payload, views = self.staging.share(bucket)
+        payload, views = self.shares.share(bucket)
         # The payload is already JSON-safe (base64): no need to serialize it again.
         body = (f'{{"serialized_named_tensors":["{payload}"],"flush_cache":'
                 f'{json.dumps(last)},"weight_version":{json.dumps(version if last else None)}}}')
-        staged = time.perf_counter()
+        shared = time.perf_counter()
         answers = self._post_all("/update_weights_from_tensor", body.encode())
-        self._count("stage_s", staged - started)
+        self._count("share_s", shared - started)
         self._count("open_s", max(float(a.get("open_s", 0.0)) for a in answers))
         self._count("load_s", max(float(a.get("load_s", 0.0)) for a in answers))
         return sum(t.numel() * t.element_size() for _, t in views)

@@ -226,15 +226,15 @@ class RolloutWeightSync(_SyncBase):
 
         self.channel = sync_channel(config.rollout_address, token, tls=tls)
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
-        self._staging: Any = None  # colocated: the StagingBuffer, made on the first bucket
+        self._shares: Any = None  # colocated: BucketShares, made on the first bucket
 
-    def _staged(self, bucket: Bucket) -> str:
-        """Colocated: the bucket copied into the persistent staging buffer; its payload."""
-        if self._staging is None:
-            from services.trainer.weights.weight_ipc import StagingBuffer
+    def _shared(self, bucket: Bucket) -> str:
+        """Colocated: the bucket's payload (the engines may read it until they answer)."""
+        if self._shares is None:
+            from services.trainer.weights.bucket_shares import BucketShares
 
-            self._staging = StagingBuffer(self.dtype)
-        payload: str = self._staging.share(bucket)[0]
+            self._shares = BucketShares(self.dtype)
+        payload: str = self._shares.share(bucket)[0]
         return payload
 
     def _send(self, buckets: Iterator[tuple[Bucket, bool]], version: int) -> tuple[int, int, int]:
@@ -290,7 +290,7 @@ class RolloutWeightSync(_SyncBase):
                      for n, d, s in zip(names, dtypes, shapes, strict=True)]
             began = time.time()
             if colocated:
-                payload = self._staged(bucket)
+                payload = self._shared(bucket)
                 requests.put(pb.WeightUpdateRequest(bucket=pb.WeightBucket(
                     bucket_index=index, tensors=specs, serialized_named_tensors=payload)))
             else:
