@@ -97,7 +97,7 @@ class _SyncBase:
 
     def sync(self, model: Any, shape: ModelShape, weight_version: int) -> WeightSyncReport:
         start = time.monotonic()
-        buckets = iter_hf_buckets(model, shape, self.config.bucket_mb, self.dtype)
+        buckets = iter_hf_buckets(model, shape, self.config.bucket_size_mb, self.dtype)
         if dist.is_initialized() and dist.get_rank() != 0:
             for _ in buckets:  # gathers only
                 pass

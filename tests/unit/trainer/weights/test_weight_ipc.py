@@ -23,3 +23,9 @@ def test_colocated_settings_that_work() -> None:
     assert WeightSyncConfig(mode="colocated", release_engines_during_step=True).mode == "colocated"
     direct = WeightSyncConfig(mode="colocated_direct", engine_urls=["http://127.0.0.1:1"])
     assert not direct.release_engines_during_step
+
+
+def test_colocated_modes_default_to_larger_buckets() -> None:
+    assert WeightSyncConfig(mode="colocated").bucket_size_mb == 2048.0
+    assert WeightSyncConfig().bucket_size_mb == 512.0  # a broadcast
+    assert WeightSyncConfig(mode="colocated", bucket_mb=64).bucket_size_mb == 64.0
