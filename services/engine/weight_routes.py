@@ -124,11 +124,7 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
                 opened = time.perf_counter()
                 if req.abort_all_requests:
                     await engine.run(lambda: engine.abort(None, "aborted for a weight update"))
-                await _drain_unless_paused(engine)
-                try:
-                    await load(copy, req.flush_cache, req.weight_version)
-                finally:
-                    engine.block_admission = False
+                await _load_when_idle(engine, copy, req.flush_cache, req.weight_version)
                 if names:
                     shared.loaded(req.load_format, payload, names, copy)
             finally:  # unless kept, the sender may free its buffer once we answer
@@ -176,6 +172,25 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
     async def refused(request: Request) -> JSONResponse:
         msg = f"{request.url.path} is not supported by the built-in engine"
         return error_response(request.url.path, msg)
+
+
+async def _load_when_idle(engine: Engine, copy: WeightCopy, flush: bool,
+                          version: str | None) -> None:
+    """Load as soon as no request runs (unless generation is paused), as SGLang's update
+    waits: one round trip to the engine loop when it is idle."""
+
+    def load_if_idle() -> bool:
+        if engine.paused_mode is None and engine.num_running():
+            return False
+        engine.load_weights(copy, flush, version)
+        return True
+
+    engine.block_admission = engine.paused_mode is None
+    try:
+        while not await engine.run(load_if_idle):
+            await asyncio.sleep(0.01)
+    finally:
+        engine.block_admission = False
 
 
 async def _drain_unless_paused(engine: Engine) -> None:
