@@ -4,14 +4,20 @@ device-to-device copy of the same bytes, in the same run.
 A built-in engine process holds a randomly initialised model of Qwen2-1.5B's shape (bf16, no
 download); this process plays the trainer with other random weights of the same shape on the
 same GPU and sends them with `ColocatedWeightSender` (buckets of `--bucket-mb`, SGLang's
-`/update_weights_from_tensor` payload). Measured: the median seconds of `--repeats` syncs;
-the median of the same bytes copied device to device as one flat buffer and tensor by tensor;
-one colocated cycle (release all, resume weights, sync, resume KV cache with graph capture)
-with the device's free memory before and after the release; the engine's log-probs of a
-greedy continuation against the trainer's own after the sync (max abs diff), and the weights
-read back from the engine against the trainer's (exact). JSON on the last line.
+`/update_weights_from_tensor` payload; its tensors are the same live storages every sync, so
+they go as they are; with `--stage` they are copied into the persistent staging buffer
+instead, as a trainer's freshly gathered tensors are). Measured: one colocated cycle
+(release all, resume weights, sync, resume KV cache with graph capture) with the device's
+free memory before and after the release, whose sync is the first one (cold: pickling,
+opening the handles); then two warm-up syncs (the payload pickled for good, the engine
+opening it again and keeping it) and `--repeats` steady-state syncs, and their median; the
+median of the same bytes copied device to device as one flat buffer and tensor by tensor,
+and the ratios; the engine's log-probs of a greedy continuation against the trainer's own
+after the syncs (max abs diff), and the weights read back from the engine against the
+trainer's (exact). JSON on the last line.
 
     python bench/colocated_sync.py --device cuda              # Qwen2-1.5B shape, bf16
+    python bench/colocated_sync.py --device cuda --stage      # the staged path
     python bench/colocated_sync.py --device cpu --shape tiny  # a smoke run on CPU
 """
 
@@ -117,8 +123,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--shape", default="qwen2-1.5b", choices=list(SHAPES))
-    parser.add_argument("--bucket-mb", type=float, default=512.0)
+    parser.add_argument("--bucket-mb", type=float, default=4096.0,
+                        help="one bucket for Qwen2-1.5B (staged: the buffer holds it all)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--stage", action="store_true",
+                        help="send tensors that need the staging copy (as a trainer's gathered "
+                        "tensors do) instead of the same live storages")
     args = parser.parse_args()
     device = args.device
     with tempfile.TemporaryDirectory(prefix="colocated-bench-") as tmp:
@@ -134,7 +144,8 @@ def main() -> None:
         engine_args = ["--device", device, "--dtype", "bfloat16", "--max-running-requests", "8",
                        "--max-total-tokens", "16384", "--num-threads", "2"]
         with EngineProcess(path, extra_args=engine_args, start_timeout_s=600) as engine:
-            sender = ColocatedWeightSender([engine.url], torch.bfloat16, timeout_s=600)
+            sender = ColocatedWeightSender([engine.url], torch.bfloat16, timeout_s=600,
+                                           direct=not args.stage)
             out_before, engine_before = engine_logprobs(engine)
             before = max(abs(a - b) for a, b in zip(
                 engine_before, trainer_logprobs(trainer, out_before, device), strict=True))
@@ -149,14 +160,10 @@ def main() -> None:
                 lambda: cycle.update(resumed=sender.resume(["kv_cache"])[0]), device)
             cycle["free_gib_after_resume"] = free_gib(device)
             syncs = [timed(lambda i=i: sender.send(plan, f"v{i}"), device)
-                     for i in range(args.repeats)]
+                     for i in range(args.repeats + 2)]
             phases = dict(sender.timings)
-            packer = ColocatedWeightSender([engine.url], torch.bfloat16, timeout_s=600,
-                                           pack_always=True)
-            packed = [timed(lambda i=i: packer.send(plan, f"p{i}"), device)
-                      for i in range(args.repeats)]
-            packed_phases = dict(packer.timings)
-            packer.close()
+            staging_bytes, modes = sender.shares.num_bytes, sender.shares.modes()
+            shared = engine.get("/get_server_info").json()["shared_tensors"]
             flat_src = torch.empty(total, dtype=torch.uint8, device=device)
             flat_dst = torch.empty_like(flat_src)
             copies = [timed(lambda: flat_dst.copy_(flat_src), device)
@@ -175,18 +182,22 @@ def main() -> None:
                 for name, tensor in (named[0], named[len(named) // 2], named[-1]))
             version = engine.get("/get_model_info").json()["weight_version"]
             sender.close()
-    sync_s, copy_s, tensor_copy_s = (statistics.median(x) for x in (syncs, copies, per_tensor))
+    steady = syncs[2:]  # once the payload is pickled for good and the engine keeps it
+    sync_s, copy_s, tensor_copy_s = (statistics.median(x) for x in (steady, copies, per_tensor))
+    cold_s = cycle["sync_s"]
     result = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "shape": args.shape, "dtype": "bfloat16",
         "num_params": sum(t.numel() for _, t in named), "num_tensors": len(named),
         "bytes": total, "bucket_mb": args.bucket_mb, "num_buckets": len(plan),
         "repeats": args.repeats, "setup_s": round(setup_s, 1),
-        "sync_s": round(sync_s, 4), "syncs_s": [round(s, 4) for s in syncs],
-        "sync_phases_s": {k: round(v, 4) for k, v in phases.items()},
-        "packed_sync_s": round(statistics.median(packed), 4),
-        "packed_sync_phases_s": {k: round(v, 4) for k, v in packed_phases.items()},
-        "d2d_copy_flat_s": round(copy_s, 4), "d2d_copy_per_tensor_s": round(tensor_copy_s, 4),
+        "staged": args.stage, "bucket_modes": modes, "staging_bytes": staging_bytes,
+        "sync_cold_s": round(cold_s, 4), "sync_s": round(sync_s, 4),
+        "syncs_s": [round(s, 4) for s in syncs],
+        "sync_phases_s": {k: round(v, 5) for k, v in phases.items()},
+        "engine_shared_tensors": shared,
+        "d2d_copy_flat_s": round(copy_s, 5), "d2d_copy_per_tensor_s": round(tensor_copy_s, 5),
+        "sync_cold_over_flat_copy": round(cold_s / copy_s, 2),
         "sync_over_flat_copy": round(sync_s / copy_s, 2),
         "sync_over_per_tensor_copy": round(sync_s / tensor_copy_s, 2),
         "sync_gb_per_s": round(total / sync_s / 1e9, 1),

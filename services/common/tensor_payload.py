@@ -10,8 +10,8 @@ process can reach). Two shapes, as SGLang's `load_format` says:
 - "flattened_bucket": `{"flattened_tensor": t, "metadata": [FlattenedTensorMetadata...]}`, the
   tensors as slices of one flat tensor (SGLang's `FlattenedTensorBucket`).
 
-`encode` writes the first shape with every tensor a view of one buffer, so a bucket costs one
-IPC handle. `decode` unpickles with an allow-list (a pickle can run any callable, so only
+`encode` writes the first shape; when the tensors are views of one buffer, a bucket costs
+one IPC handle. `decode` unpickles with an allow-list (a pickle can run any callable, so only
 torch's tensor rebuilders and the bucket metadata class are accepted), and maps a device
 given as a GPU UUID (SGLang's patched reductions, robust to differing CUDA_VISIBLE_DEVICES)
 to the local index. Sender and receiver both import this module; it imports only torch.
@@ -159,23 +159,6 @@ def _unflatten(obj: Any) -> dict[str, torch.Tensor]:
 
 
 # ---- the sender's side ---------------------------------------------------------------------
-
-def pack(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype
-         ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
-    """Copy the tensors into one new flat buffer of `dtype` on their device; the buffer and
-    (name, view) pairs of it. Views of one buffer share one IPC handle or one shm file."""
-    total = sum(t.numel() for _, t in named)
-    buffer = torch.empty(total, dtype=dtype, device=named[0][1].device)
-    views, start = [], 0
-    for name, tensor in named:
-        view = buffer[start:start + tensor.numel()].view(tensor.shape)
-        view.copy_(tensor)
-        views.append((name, view))
-        start += tensor.numel()
-    if buffer.device.type == "cpu":
-        buffer.share_memory_()  # views keep pointing at it: share_memory_ moves in place
-    return buffer, views
-
 
 def encode(views: list[tuple[str, torch.Tensor]]) -> str:
     """Base64 of the ForkingPickler pickle of (name, tensor) pairs (SGLang's load_format None).

@@ -26,6 +26,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.random_stream import RandomStream
 from services.engine.request import GenRequest
 from services.engine.scheduler import Scheduler
+from services.engine.shared_tensors import SharedTensorCache, WeightCopy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +48,7 @@ class Engine:
             for rank in range(config.dp_size)
         ]
         self.memory = MemoryOccupation(self.runner, self.schedulers)
+        self.shared_tensors = SharedTensorCache()  # weight_routes.py's, under its update lock
         self.paused_mode: str | None = None
         self.block_admission = False
         self._rng = random.Random(config.random_seed)
@@ -131,11 +133,9 @@ class Engine:
     def num_running(self) -> int:
         return sum(len(s.running) for s in self.schedulers)
 
-    def load_weights(
-        self, tensors: dict[str, torch.Tensor], flush_cache: bool, version: str | None
-    ) -> None:
+    def load_weights(self, copy: WeightCopy, flush_cache: bool, version: str | None) -> None:
         started = time.perf_counter()
-        self.runner.load_weights(tensors)
+        self.runner.load_weights(copy)
         for rank in range(self.config.dp_size):
             self.metrics.set_rank(rank, engine_load_weights_time=time.perf_counter() - started)
         if flush_cache:

@@ -77,6 +77,7 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
             "weight_version": engine.weight_version,
             "memory_released": sorted(engine.memory.released),
             "memory_usage": await engine.run(engine.memory.usage),
+            "shared_tensors": engine.shared_tensors.stats(),
             "internal_states": states,
             "version": VERSION,
             "sglang_contract": CONTRACT_VERSION[cfg.contract],

@@ -16,6 +16,7 @@ from services.engine.checkpoint_names import CheckpointNames
 from services.engine.config import EngineConfig
 from services.engine.radix_cache import LayerKV
 from services.engine.routed_experts import RoutedExpertsRecorder
+from services.engine.shared_tensors import WeightCopy
 from services.engine.slot_model import choose_decode_backend
 
 log = logging.getLogger(__name__)
@@ -127,22 +128,29 @@ class ModelRunner:
     def check_weights(self, names: list[str], shapes: list[list[int]]) -> None:
         """Raise InvalidRequest naming the first unknown name or mismatched shape."""
         for name, shape in zip(names, shapes, strict=True):
-            param = self.checkpoint_names.view(name)
-            if param is None:
-                raise InvalidRequest(f"unknown parameter name {name!r}")
-            if list(param.shape) != list(shape):
-                raise InvalidRequest(
-                    f"shape of {name} is {list(param.shape)}, the request says {list(shape)}"
-                )
+            self._target(name, shape)
+
+    def resolve(self, tensors: dict[str, torch.Tensor]) -> WeightCopy:
+        """The parameter views (by Hugging Face checkpoint name; fused expert tensors give each
+        expert's slice) that received tensors fill; InvalidRequest as `check_weights`."""
+        targets = [self._target(name, list(t.shape)) for name, t in tensors.items()]
+        return WeightCopy(targets, list(tensors.values()))
+
+    def _target(self, name: str, shape: list[int]) -> torch.Tensor:
+        param = self.checkpoint_names.view(name)
+        if param is None:
+            raise InvalidRequest(f"unknown parameter name {name!r}")
+        if list(param.shape) != list(shape):
+            raise InvalidRequest(
+                f"shape of {name} is {list(param.shape)}, the request says {list(shape)}"
+            )
+        return param
 
     @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy received tensors into the model by Hugging Face checkpoint name (cast to the
-        model dtype; fused expert tensors take each expert's slice)."""
-        for name, tensor in tensors.items():
-            target = self.checkpoint_names.view(name)
-            if target is None:
-                raise InvalidRequest(f"unknown parameter name {name!r}")
-            target.copy_(tensor.to(self.device))
+    def load_weights(self, copy: WeightCopy) -> None:
+        """One grouped copy of received tensors into their parameter views (cast to the model
+        dtype, moved to its device)."""
+        if copy.targets:
+            torch._foreach_copy_(copy.targets, copy.sources)
         if self.device.type == "cuda":  # the sender may free shared tensors once we answer
             torch.cuda.synchronize(self.device)

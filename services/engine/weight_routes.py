@@ -4,8 +4,9 @@ and resuming memory for colocated training, the weight version, and the refusals
 does not do.
 
 Updates rendezvous, receive and open shared tensors on worker threads so the API stays
-responsive; loading runs on the engine loop between steps. A failed update leaves the old
-weights in place.
+responsive; loading (one grouped copy) runs on the engine loop between steps. A payload sent
+again unchanged is served from `shared_tensors` (its mappings kept open, its names resolved).
+A failed update leaves the old weights in place.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from services.engine.engine import Engine
 from services.engine.info_routes import read_json
 from services.engine.memory_occupation import parse_tags
 from services.engine.sglang_errors import error_response
+from services.engine.shared_tensors import WeightCopy
 from services.engine.weight_update import (
     Body,
     DestroyGroupRequest,
@@ -59,8 +61,10 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
     update_lock = asyncio.Lock()
     ok = "Succeeded to update parameter online."
 
-    async def load(tensors: dict[str, torch.Tensor], flush: bool, version: str | None) -> None:
-        await engine.run(lambda: engine.load_weights(tensors, flush, version))
+    shared = engine.shared_tensors
+
+    async def load(copy: WeightCopy, flush: bool, version: str | None) -> None:
+        await engine.run(lambda: engine.load_weights(copy, flush, version))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
@@ -88,7 +92,7 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
             await _drain_unless_paused(engine)
             try:
                 tensors = await asyncio.to_thread(updater.receive, req, dtypes)
-                await load(tensors, req.flush_cache, req.weight_version)
+                await load(engine.runner.resolve(tensors), req.flush_cache, req.weight_version)
             except Exception as exc:  # a broken broadcast leaves the old weights in place
                 msg = f"Failed to update weights: {type(exc).__name__}: {exc}"
                 return error_response(request.url.path, msg)
@@ -104,25 +108,28 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
         if len(req.serialized_named_tensors) != 1:
             raise InvalidRequest("serialized_named_tensors must hold one entry (tp_size is 1), "
                                  f"got {len(req.serialized_named_tensors)}")
+        payload = req.serialized_named_tensors[0]
         engine.memory.check_weights_resident()
-        # Opening IPC handles or shm files may block: off the event loop.
         started = time.perf_counter()
-        tensors = await asyncio.to_thread(
-            tensor_payload.decode, req.serialized_named_tensors[0], req.load_format)
-        opened = time.perf_counter()
-        try:
-            engine.runner.check_weights(list(tensors), [list(t.shape) for t in tensors.values()])
-            async with update_lock:
-                engine.memory.check_weights_resident()
+        async with update_lock:
+            engine.memory.check_weights_resident()
+            copy = shared.get(req.load_format, payload)
+            names: tuple[str, ...] = ()
+            tensors: dict[str, torch.Tensor] = {}
+            try:
+                if copy is None:  # a new payload: unpickle (open handles or files), resolve
+                    tensors = await asyncio.to_thread(tensor_payload.decode, payload,
+                                                      req.load_format)
+                    names, copy = tuple(tensors), engine.runner.resolve(tensors)
+                opened = time.perf_counter()
                 if req.abort_all_requests:
                     await engine.run(lambda: engine.abort(None, "aborted for a weight update"))
-                await _drain_unless_paused(engine)
-                try:
-                    await load(tensors, req.flush_cache, req.weight_version)
-                finally:
-                    engine.block_admission = False
-        finally:
-            tensors.clear()  # the sender may free its buffer once we answer
+                await _load_when_idle(engine, copy, req.flush_cache, req.weight_version)
+                if names:
+                    shared.loaded(req.load_format, payload, names, copy)
+            finally:  # unless kept, the sender may free its buffer once we answer
+                tensors.clear()
+                copy = None
         loaded = time.perf_counter()
         if req.torch_empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -133,6 +140,7 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
     async def release_memory_occupation(request: Request) -> dict[str, Any]:
         tags = parse_tags(parse_body(MemoryRequest, await read_json(request)).tags)
         async with update_lock:
+            shared.clear()  # its parameter views would keep released weights allocated
             done = await engine.run(lambda: engine.memory.release(tags))
         return {"success": True, "message": f"released {', '.join(tags)}", **done}
 
@@ -164,6 +172,25 @@ def add_weight_routes(app: FastAPI, engine: Engine, updater: WeightUpdater) -> N
     async def refused(request: Request) -> JSONResponse:
         msg = f"{request.url.path} is not supported by the built-in engine"
         return error_response(request.url.path, msg)
+
+
+async def _load_when_idle(engine: Engine, copy: WeightCopy, flush: bool,
+                          version: str | None) -> None:
+    """Load as soon as no request runs (unless generation is paused), as SGLang's update
+    waits: one round trip to the engine loop when it is idle."""
+
+    def load_if_idle() -> bool:
+        if engine.paused_mode is None and engine.num_running():
+            return False
+        engine.load_weights(copy, flush, version)
+        return True
+
+    engine.block_admission = engine.paused_mode is None
+    try:
+        while not await engine.run(load_if_idle):
+            await asyncio.sleep(0.01)
+    finally:
+        engine.block_admission = False
 
 
 async def _drain_unless_paused(engine: Engine) -> None:

@@ -136,7 +136,10 @@ class WeightSyncConfig(StrictModel):
         False, description="colocated modes: the engines free their memory (KV cache, weights)"
         " before each trainer step and the next sync resumes it (synchronous colocated "
         "training; generation waits meanwhile)")
-    bucket_mb: float = Field(512.0, gt=0, description="size of one broadcast bucket in MiB")
+    bucket_mb: float | None = Field(
+        None, gt=0, description="size of one bucket in MiB (default: 512 for a broadcast, 2048 "
+        "for the colocated modes, where fewer, larger buckets save round trips and a staged "
+        "bucket's buffer stays allocated on the trainer's device)")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="dtype of the tensors on the wire (the engines' dtype)"
     )
@@ -164,6 +167,13 @@ class WeightSyncConfig(StrictModel):
         description="while waiting for groups, how often to ask whether the engines need "
         "the current weights (a restarted rollout service)",
     )
+
+    @property
+    def bucket_size_mb(self) -> float:
+        """`bucket_mb`, or the mode's default."""
+        if self.bucket_mb is not None:
+            return self.bucket_mb
+        return 2048.0 if self.mode in ("colocated", "colocated_direct") else 512.0
 
     @model_validator(mode="after")
     def _check_targets(self) -> WeightSyncConfig:

@@ -62,7 +62,7 @@ def run_worker(config: TrainerConfig, address: RankAddress) -> None:
             channel.barrier()
         elif isinstance(command, Sync):
             # Rank 0 sends; the others take part in the same gathers (see weight_sync.py).
-            for _ in iter_hf_buckets(built.model, built.shape, config.weight_sync.bucket_mb,
+            for _ in iter_hf_buckets(built.model, built.shape, config.weight_sync.bucket_size_mb,
                                      sync_dtype):
                 pass
         elif isinstance(command, Stop):

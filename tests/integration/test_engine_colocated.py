@@ -135,3 +135,85 @@ def _pickle(obj: Any) -> str:
     buf = io.BytesIO()
     ForkingPickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_repeated_syncs_reuse_the_mappings(engine: EngineProcess, new_model: Any) -> None:
+    """The sender re-sends each bucket's pickle; the engine keeps it mapped from its second
+    arrival on, a new buffer replaces it, a release drops it, and the weights stay exact."""
+    named = [(n, t.detach()) for n, t in new_model.state_dict().items()]
+    plan = [named[:4], named[4:]]
+
+    def stats() -> dict[str, int]:
+        return dict(engine.get("/get_server_info").json()["shared_tensors"])
+
+    def sync_and_check(sender: ColocatedWeightSender, version: str) -> None:
+        scale = float(version.split("-")[-1])  # every sync its own weights
+        sender.send([[(n, t * scale) for n, t in bucket] for bucket in plan], version)
+        want = {n: t * scale for n, t in named}
+        for name in (named[0][0], named[-1][0]):
+            got = torch.tensor(engine.post("/get_weights_by_name", {"name": name}).json())
+            assert torch.equal(got, want[name][:len(got)])  # the engine sends the first rows
+
+    start = stats()
+    sender = ColocatedWeightSender([engine.url], torch.float32, timeout_s=60)
+    # The second bucket is the larger: the staging buffer grows during the first sync, so the
+    # first bucket's pickle changes once; from then on every payload is the same.
+    for i, (opened, reused) in enumerate([(2, 0), (4, 0), (5, 1), (5, 3), (5, 5)]):
+        sync_and_check(sender, f"r-{1 + i * 0.25}")
+        now = stats()
+        assert (now["num_opened"] - start["num_opened"],
+                now["num_reused"] - start["num_reused"]) == (opened, reused), now
+    assert now["num_entries"] == 2
+    other = ColocatedWeightSender([engine.url], torch.float32, timeout_s=60)
+    sync_and_check(other, "r-0.5")  # new buffers: their payloads replace the kept ones
+    assert stats()["num_entries"] == 0
+    sync_and_check(other, "r-0.75")
+    sync_and_check(other, "r-0.625")  # its buffer grew in its first sync too
+    assert stats()["num_entries"] == 2
+    other.release(["kv_cache"])
+    assert stats()["num_entries"] == 0  # any release drops them
+    other.resume(None)
+    before = stats()["num_opened"]
+    sync_and_check(other, "r-1")  # known payloads: kept again at once
+    assert stats()["num_entries"] == 2 and stats()["num_opened"] == before + 2
+    # Greedy log-probs after the repeated syncs equal the model's own.
+    out = engine.generate(PROMPT, sampling_params=GREEDY, return_logprob=True)
+    ids = torch.tensor([PROMPT + out["output_ids"]])
+    with torch.no_grad():
+        logits = new_model(ids).logits[0, len(PROMPT) - 1:-1]
+    ours = torch.log_softmax(logits, -1).gather(1, ids[0, len(PROMPT):, None])[:, 0]
+    engine_lps = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(engine_lps, ours, atol=1e-4), (engine_lps, ours)
+    # A payload naming an unknown parameter still fails clearly, however often it comes.
+    bad = encode([("model.nope", named[0][1])])
+    for _ in range(3):
+        reply = engine.post("/update_weights_from_tensor", {"serialized_named_tensors": [bad]})
+        assert reply.status_code == 400 and "unknown parameter name 'model.nope'" in message(reply)
+    sender.close()
+    other.close()
+
+
+def test_live_storages_go_as_they_are_and_are_read_in_place(engine: EngineProcess,
+                                                            new_model: Any) -> None:
+    """Tensors that stay the same storages (in shared memory here, as CUDA tensors would be
+    on a GPU) are sent as they are: the engine keeps their payload and reads the values the
+    trainer wrote in place since."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    params = [(n, t.detach().clone().share_memory_()) for n, t in new_model.state_dict().items()]
+    originals = [t.clone() for _, t in params]
+    sender = ColocatedWeightSender([engine.url], torch.float32, timeout_s=60)
+    start = engine.get("/get_server_info").json()["shared_tensors"]
+    for step in range(4):
+        for (_, tensor), original in zip(params, originals, strict=True):
+            tensor.copy_(original * (1 + step / 8))  # the trainer's step, in place
+        sender.send([params[:4], params[4:]], f"live-{step}")
+        got = torch.tensor(engine.post("/get_weights_by_name", {"name": params[-1][0]}).json())
+        assert torch.equal(got, params[-1][1][:len(got)])
+    assert sender.shares.modes() == {"fresh": 0, "direct": 2, "staged": 0}
+    assert sender.shares.num_bytes == 0  # no staging buffer
+    now = engine.get("/get_server_info").json()["shared_tensors"]
+    # A shared file pickles the same way every time, so sync 1's fresh payloads equal sync
+    # 2's direct ones and are kept from sync 2 on (CUDA pickles differ: from sync 3 on).
+    assert now["num_opened"] - start["num_opened"] == 4
+    assert now["num_reused"] - start["num_reused"] == 4
+    sender.close()

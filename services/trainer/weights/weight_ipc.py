@@ -1,26 +1,26 @@
 """Colocated weight sync: the trainer hands its tensors to engines on the same GPU (or the same
 host) through CUDA IPC handles, with no collective group.
 
-Per bucket (`bucket_mb`), `ColocatedWeightSender` pickles the trainer's gathered, Hugging
-Face-named tensors of the engine dtype with torch's multiprocessing reductions
-(`tensor_payload.encode`: a CUDA tensor becomes an IPC handle of its allocation, opened once
-per allocation by the engine), POSTs them to every engine's `/update_weights_from_tensor`
-(SGLang's contract, load_format None), waits for every answer, then drops the bucket. CUDA
-tensors of the engine dtype go as they are (the engine's copy into its parameters is the only
-copy); others (another dtype, not contiguous, or on CPU) are first copied into one flat buffer
-of the engine dtype, so the extra memory is at most one bucket. On CPU the buffer is shared as
-a shared-memory file (torch's file_system strategy) and the path is otherwise the same.
+Per bucket (`bucket_mb`), `ColocatedWeightSender` shares the trainer's gathered, Hugging
+Face-named tensors through `BucketShares` (as they are when they are the same live storages
+every sync, else copied into one persistent staging buffer) and POSTs the bucket's payload to
+every engine's `/update_weights_from_tensor` (SGLang's contract, load_format None). The
+payload (`tensor_payload.encode`: a torch multiprocessing pickle of CUDA IPC handles) is
+pickled once per bucket layout and re-sent as it is, so an engine that keeps the handles open
+loads every later sync without opening or unpickling anything. On CPU the staging buffer is a
+shared-memory file (torch's file_system strategy) and the path is otherwise the same.
 
 It also drives SGLang's `/release_memory_occupation` and `/resume_memory_occupation`, which
 colocated mode calls around the trainer's step. `ColocatedWeightSync` is the trainer's
 `WeightSync` for `weight_sync.mode = "colocated_direct"` (engines at known URLs, no rollout
 service): rank 0 sends, the other ranks only drive the gathers (weights/weight_sync.py's protocol).
 `weight_sync.mode = "colocated"` goes through the rollout service instead
-(`RolloutWeightSync`, which puts `share_bucket`'s payload into each WeightBucket).
+(`RolloutWeightSync`, which puts a `BucketShares` payload into each WeightBucket).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterable
@@ -33,67 +33,58 @@ import torch.distributed as dist
 
 from services.common.engine_contract import bearer
 from services.common.errors import Unavailable
-from services.common.tensor_payload import encode, pack
 from services.trainer.model.model import ModelShape
 from services.trainer.model_config import WeightSyncConfig
+from services.trainer.weights.bucket_shares import Bucket, BucketShares
 from services.trainer.weights.convert import iter_hf_buckets
 from services.trainer.weights.weight_sync import WeightSyncReport
 
 log = logging.getLogger(__name__)
-Bucket = list[tuple[str, torch.Tensor]]
-
-
-def share_bucket(bucket: Bucket, dtype: torch.dtype, pack_always: bool = False
-                 ) -> tuple[str, Bucket]:
-    """The bucket's payload and the tensors it shares (keep them until the engines answer):
-    CUDA tensors of `dtype` as they are, anything else packed into one flat buffer."""
-    as_is = not pack_always and all(
-        t.device.type == "cuda" and t.dtype == dtype and t.is_contiguous() for _, t in bucket)
-    views = bucket if as_is else pack(bucket, dtype)[1]
-    return encode(views), views
+JSON = {"content-type": "application/json"}
 
 
 class ColocatedWeightSender:
     """Posts shared tensors (and memory release/resume) to a set of engines."""
 
     def __init__(self, engine_urls: list[str], dtype: torch.dtype, timeout_s: float,
-                 api_key: str | None = None, pack_always: bool = False) -> None:
-        """`pack_always`: copy every bucket into one buffer even when its tensors could go as
-        they are (one IPC handle per bucket instead of one per allocation)."""
+                 api_key: str | None = None, direct: bool = True) -> None:
+        """`direct` False: stage every bucket, also tensors that could go as they are."""
         self.urls = [u.rstrip("/") for u in engine_urls]
         self.dtype = dtype
-        self.pack_always = pack_always
-        #: seconds of the last send: pickling here, and the engines' opening and loading
+        self.shares = BucketShares(dtype, direct)
+        #: seconds of the last send: sharing here (staging copies, pickling new layouts), and
+        #: the engines' opening (unpickling) and loading
         self.timings: dict[str, float] = {}
         self.http = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)))
 
-    def _post_all(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    def _post_all(self, path: str, body: dict[str, Any] | bytes) -> list[dict[str, Any]]:
         futures = [self.pool.submit(self._post, url, path, body) for url in self.urls]
         return [future.result() for future in futures]
 
-    def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        reply = self.http.post(f"{url}{path}", json=body)
+    def _post(self, url: str, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
+        if isinstance(body, bytes):
+            reply = self.http.post(f"{url}{path}", content=body, headers=JSON)
+        else:
+            reply = self.http.post(f"{url}{path}", json=body)
         data: dict[str, Any] = reply.json() if reply.content else {}
         if reply.status_code != 200 or data.get("success") is False:
             raise Unavailable(f"{url}{path} answered {reply.status_code}: {reply.text[:500]}")
         return data
 
     def send_bucket(self, bucket: Bucket, last: bool, version: str | None) -> int:
-        """One bucket to every engine; returns its bytes. The buffer is freed on return."""
+        """One bucket to every engine; returns its bytes."""
         started = time.perf_counter()
-        payload, views = share_bucket(bucket, self.dtype, self.pack_always)
-        try:
-            body = {"serialized_named_tensors": [payload], "flush_cache": last,
-                    "weight_version": version if last else None}
-            encoded = time.perf_counter()
-            answers = self._post_all("/update_weights_from_tensor", body)
-            self._count("encode_s", encoded - started)
-            self._count("open_s", max(float(a.get("open_s", 0.0)) for a in answers))
-            self._count("load_s", max(float(a.get("load_s", 0.0)) for a in answers))
-            return sum(t.numel() * t.element_size() for _, t in views)
-        finally:
-            del views  # every engine has copied: the bucket's memory may go back
+        payload, views = self.shares.share(bucket)
+        # The payload is already JSON-safe (base64): no need to serialize it again.
+        body = (f'{{"serialized_named_tensors":["{payload}"],"flush_cache":'
+                f'{json.dumps(last)},"weight_version":{json.dumps(version if last else None)}}}')
+        shared = time.perf_counter()
+        answers = self._post_all("/update_weights_from_tensor", body.encode())
+        self._count("share_s", shared - started)
+        self._count("open_s", max(float(a.get("open_s", 0.0)) for a in answers))
+        self._count("load_s", max(float(a.get("load_s", 0.0)) for a in answers))
+        return sum(t.numel() * t.element_size() for _, t in views)
 
     def _count(self, key: str, seconds: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + seconds
@@ -136,7 +127,7 @@ class ColocatedWeightSync:
 
     def sync(self, model: Any, shape: ModelShape, weight_version: int) -> WeightSyncReport:
         start = time.monotonic()
-        buckets = iter_hf_buckets(model, shape, self.config.bucket_mb, self.dtype)
+        buckets = iter_hf_buckets(model, shape, self.config.bucket_size_mb, self.dtype)
         if dist.is_initialized() and dist.get_rank() != 0:
             for _ in buckets:  # gathers only
                 pass

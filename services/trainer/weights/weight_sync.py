@@ -97,7 +97,7 @@ class _SyncBase:
 
     def sync(self, model: Any, shape: ModelShape, weight_version: int) -> WeightSyncReport:
         start = time.monotonic()
-        buckets = iter_hf_buckets(model, shape, self.config.bucket_mb, self.dtype)
+        buckets = iter_hf_buckets(model, shape, self.config.bucket_size_mb, self.dtype)
         if dist.is_initialized() and dist.get_rank() != 0:
             for _ in buckets:  # gathers only
                 pass
@@ -226,6 +226,16 @@ class RolloutWeightSync(_SyncBase):
 
         self.channel = sync_channel(config.rollout_address, token, tls=tls)
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
+        self._shares: Any = None  # colocated: BucketShares, made on the first bucket
+
+    def _shared(self, bucket: Bucket) -> str:
+        """Colocated: the bucket's payload (the engines may read it until they answer)."""
+        if self._shares is None:
+            from services.trainer.weights.bucket_shares import BucketShares
+
+            self._shares = BucketShares(self.dtype)
+        payload: str = self._shares.share(bucket)[0]
+        return payload
 
     def _send(self, buckets: Iterator[tuple[Bucket, bool]], version: int) -> tuple[int, int, int]:
         import queue
@@ -280,9 +290,7 @@ class RolloutWeightSync(_SyncBase):
                      for n, d, s in zip(names, dtypes, shapes, strict=True)]
             began = time.time()
             if colocated:
-                from services.trainer.weights.weight_ipc import share_bucket
-
-                payload, shared = share_bucket(bucket, self.dtype)  # alive until loaded
+                payload = self._shared(bucket)
                 requests.put(pb.WeightUpdateRequest(bucket=pb.WeightBucket(
                     bucket_index=index, tensors=specs, serialized_named_tensors=payload)))
             else:

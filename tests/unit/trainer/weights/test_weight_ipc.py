@@ -1,25 +1,11 @@
-"""The colocated sender's buckets and the colocated weight-sync settings."""
+"""The colocated weight-sync settings."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 from pydantic import ValidationError
 
-from services.common.tensor_payload import decode
 from services.trainer.model_config import WeightSyncConfig
-from services.trainer.weights.weight_ipc import share_bucket
-
-
-def test_a_cpu_bucket_is_packed_into_one_shared_buffer_of_the_engine_dtype() -> None:
-    bucket = [("a", torch.randn(2, 3)), ("b", torch.randn(4).t())]
-    payload, shared = share_bucket(bucket, torch.bfloat16)
-    assert [n for n, _ in shared] == ["a", "b"]
-    assert len({t.untyped_storage().data_ptr() for _, t in shared}) == 1
-    got = decode(payload, None)
-    for name, tensor in bucket:
-        assert got[name].dtype == torch.bfloat16
-        assert torch.equal(got[name], tensor.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -37,3 +23,9 @@ def test_colocated_settings_that_work() -> None:
     assert WeightSyncConfig(mode="colocated", release_engines_during_step=True).mode == "colocated"
     direct = WeightSyncConfig(mode="colocated_direct", engine_urls=["http://127.0.0.1:1"])
     assert not direct.release_engines_during_step
+
+
+def test_colocated_modes_default_to_larger_buckets() -> None:
+    assert WeightSyncConfig(mode="colocated").bucket_size_mb == 2048.0
+    assert WeightSyncConfig().bucket_size_mb == 512.0  # a broadcast
+    assert WeightSyncConfig(mode="colocated", bucket_mb=64).bucket_size_mb == 64.0
