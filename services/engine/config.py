@@ -52,7 +52,8 @@ class EngineConfig(StrictModel):
         "auto",
         description="running batch: slots (a preallocated KV slot per request, the engine's own "
         "forward, CUDA graphs on GPU), transformers (the model's forward over a left-padded "
-        "cache); auto: slots on CUDA for Llama/Qwen2/Qwen3-style models, else transformers",
+        "cache); auto: slots for Llama/Qwen2/Qwen3-style models (CPU and CUDA), else "
+        "transformers (and whenever routed experts are recorded)",
     )
     cuda_graph: bool = Field(
         True, description="capture the slots decode step as CUDA graphs (per batch and KV width)"

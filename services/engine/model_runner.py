@@ -42,7 +42,10 @@ class ModelRunner:
         self.eos_token_ids = self._eos_ids()
         model_limit = getattr(self.model.config, "max_position_embeddings", None) or 32768
         self.context_len = config.max_context_len or model_limit
-        self.decode_backend = choose_decode_backend(config.decode_backend, self.model, self.device)
+        setting = config.decode_backend
+        if setting == "auto" and config.enable_return_routed_experts:
+            setting = "transformers"  # the only backend that records routes
+        self.decode_backend = choose_decode_backend(setting, self.model, self.device)
         if self.decode_backend == "slots":
             # A slot holds one request's whole sequence: that is the context this engine serves.
             self.slot_len = min(

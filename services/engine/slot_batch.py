@@ -137,19 +137,38 @@ class SlotBatch:
     @torch.inference_mode()
     def decode(self, last_tokens: list[int]) -> torch.Tensor:
         """One decode step for every row; returns logits [B, V]."""
-        width = width_bucket(max(self.lengths) + 1, self.kv.slot_len)
         if self.graphs is not None:
+            width = width_bucket(max(self.lengths) + 1, self.kv.slot_len)
             logits = self.graphs.run(last_tokens, self.lengths, self.slots, width)
         else:
-            device = self.model.cos.device
-            logits = self.model.decode(
-                torch.tensor(last_tokens, device=device),
-                torch.tensor(self.lengths, device=device),
-                torch.tensor(self.slots, device=device),
-                width,
-            )
+            logits = self._eager_decode(last_tokens)
         self.lengths = [n + 1 for n in self.lengths]
         return logits
+
+    def _eager_decode(self, last_tokens: list[int]) -> torch.Tensor:
+        """The decode step without graphs: attention reads exactly the columns needed, and when
+        the rows' slots are consecutive (the usual case: slots go lowest first) it reads them
+        as one view, the rows taken in slot order, instead of gathering a copy per layer."""
+        device = self.model.cos.device
+        order = sorted(range(self.size), key=self.slots.__getitem__)
+        low = self.slots[order[0]]
+        consecutive = all(self.slots[i] == low + rank for rank, i in enumerate(order))
+        if not consecutive:
+            order = list(range(self.size))
+        slots = [self.slots[i] for i in order]
+        read: torch.Tensor | slice | None = slice(low, low + self.size) if consecutive else None
+        logits = self.model.decode(
+            torch.tensor([last_tokens[i] for i in order], device=device),
+            torch.tensor([self.lengths[i] for i in order], device=device),
+            torch.tensor(slots, device=device),
+            max(self.lengths) + 1,
+            read,
+        )
+        if order == sorted(order):
+            return logits
+        inverse = torch.empty(self.size, dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(self.size)
+        return logits.index_select(0, inverse.to(device))
 
     def row(self, index: int) -> LayerKV:
         return self.kv.row(self.slots[index], self.lengths[index])

@@ -5,10 +5,15 @@ one slot from prefill to finish, so decode writes each new token's keys and valu
 and nothing is ever concatenated, padded or copied between rows. The extra last slot is a
 sink: padded rows of a batch bucket and padding tokens of a prefill write there, so their
 writes never touch a real request's slot. Storage starts zeroed (masked-out columns must hold
-finite numbers: attention multiplies them by zero weights).
+finite numbers: attention multiplies them by zero weights). On CPU it is an anonymous memory
+mapping, zero pages until first written, so only the columns requests reach take memory.
 """
 
 from __future__ import annotations
+
+import heapq
+import math
+import mmap
 
 import torch
 
@@ -37,14 +42,14 @@ class SlotKV:
         self.num_slots = num_slots
         self.slot_len = slot_len
         self.sink = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # a heap: the lowest free slot goes first
 
     def allocate_storage(self) -> None:
         """(Re)allocate every layer's storage, zeroed; after `free_storage` the tensors are new
         (other addresses: CUDA graphs captured on the old ones must be captured again)."""
         num_layers, shape, dtype, device = self._spec
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     def free_storage(self) -> None:
         """Drop every layer's storage (colocated mode: the trainer uses the memory); every slot
@@ -64,12 +69,14 @@ class SlotKV:
     def allocate(self) -> int:
         if not self._free:
             raise Unavailable(f"all {self.num_slots} KV slots are in use")
-        return self._free.pop()
+        # The lowest first keeps the slots in use dense, which lets CPU decode read them as one
+        # view (slot_batch.py).
+        return heapq.heappop(self._free)
 
     def release(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not allocated")
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def write(self, slot: int, kv: LayerKV) -> None:
         """Copy per-layer KV [H, n, D] (a cached prefix) into the first n columns of `slot`."""
@@ -82,3 +89,11 @@ class SlotKV:
         """The first `length` tokens of `slot`, per layer [H, length, D] (views)."""
         return [(k[slot, :, :length], v[slot, :, :length])
                 for k, v in zip(self.keys, self.values, strict=True)]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # The tensor keeps the mapping alive; the kernel hands out zeroed pages on first touch.
+    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)

@@ -76,14 +76,15 @@ class SlotModel:
         ids: torch.Tensor,
         positions: torch.Tensor,
         writes: tuple[torch.Tensor, torch.Tensor],
-        read_slots: torch.Tensor,
+        read_slots: torch.Tensor | slice,
         width: int,
     ) -> torch.Tensor:
         """Hidden states [R, n, hidden] after the final norm.
 
         ids, positions: [R, n]; writes: (slot, column) [R, n] each, where each token's keys and
         values go (a padding token's to the sink slot); read_slots: [R], the slot each row
-        attends to; width: columns attended (> every real position).
+        attends to, or a slice of R consecutive slots (read as a view, no copy); width: columns
+        attended (> every real position).
         """
         mask = self.columns[:width][None, None, :] <= positions[:, :, None]  # [R, n, W]
         mask = mask[:, None]  # [R, 1, n, W]
@@ -110,7 +111,7 @@ class SlotModel:
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
         writes: tuple[torch.Tensor, torch.Tensor],
-        read_slots: torch.Tensor,
+        read_slots: torch.Tensor | slice,
         width: int,
     ) -> torch.Tensor:
         rows, n, _ = hidden.shape
@@ -127,8 +128,11 @@ class SlotModel:
         slots, cols = writes[0].reshape(-1), writes[1].reshape(-1)
         keys[slots, :, cols] = k.reshape(-1, kv_heads, d)
         values[slots, :, cols] = v.reshape(-1, kv_heads, d)
-        k_all = keys[:, :, :width].index_select(0, read_slots)  # [R, Hkv, W, D]
-        v_all = values[:, :, :width].index_select(0, read_slots)
+        if isinstance(read_slots, slice):
+            k_all, v_all = keys[read_slots, :, :width], values[read_slots, :, :width]
+        else:
+            k_all = keys[:, :, :width].index_select(0, read_slots)  # [R, Hkv, W, D]
+            v_all = values[:, :, :width].index_select(0, read_slots)
         # The query heads sharing a KV head attend as one longer query: no KV repeat.
         q = q.view(rows, n, kv_heads, groups, d).permute(0, 2, 3, 1, 4)
         out = F.scaled_dot_product_attention(
@@ -170,11 +174,14 @@ class SlotModel:
         return list(logits.split([len(p) for p in picked]))
 
     def decode(
-        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, width: int
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, width: int,
+        read_slots: torch.Tensor | slice | None = None,
     ) -> torch.Tensor:
-        """One token per row (ids, positions, slots: [B]); returns logits [B, V]."""
+        """One token per row (ids, positions, slots: [B]); returns logits [B, V]. `read_slots`:
+        the same slots as a slice when they are consecutive (default: `slots`)."""
         positions = positions[:, None]
-        hidden = self.forward(ids[:, None], positions, (slots[:, None], positions), slots, width)
+        read = slots if read_slots is None else read_slots
+        hidden = self.forward(ids[:, None], positions, (slots[:, None], positions), read, width)
         return self.logits(hidden[:, 0])
 
 
@@ -188,5 +195,5 @@ def choose_decode_backend(setting: str, model: Any, device: torch.device) -> str
         raise ConfigError(f"engine.decode_backend = slots cannot run this model: {reason}; "
                           "use transformers")
     if setting == "auto":
-        return "slots" if device.type == "cuda" and reason is None else "transformers"
+        return "slots" if reason is None else "transformers"
     return setting

@@ -65,4 +65,4 @@ def test_slots_need_room_for_a_sequence(tmp_path: Path) -> None:
     runner = ModelRunner(EngineConfig(model_path=str(path), decode_backend="slots",
                                       max_total_num_tokens=4096, max_running_requests=16))
     assert runner.context_len == 256  # one slot: 4096 tokens over 16 requests
-    assert ModelRunner(EngineConfig(model_path=str(path))).decode_backend == "transformers"
+    assert ModelRunner(EngineConfig(model_path=str(path))).decode_backend == "slots"  # auto
