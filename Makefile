@@ -19,7 +19,7 @@ TEST_DEPS := $(RUNTIME_DEPS) docker-compose:docker-compose podman:podman deboots
 # `make image`: the Riptide image, built offline (scripts/build_image.sh; BASE_IMAGE etc.).
 IMAGE ?= riptide:latest
 
-.PHONY: setup system-deps test-deps smollm2 demo learn test lint typecheck compose-check docs image protos bench clean
+.PHONY: setup system-deps test-deps smollm2 demo learn learn-gpu test lint typecheck compose-check docs image protos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -51,6 +51,11 @@ demo: smollm2
 # The learning run (bench/learning.py).
 learn: smollm2
 	$(PY) bench/learning.py $(LEARN_ARGS)
+
+# The learning run on one GPU, colocated. A GPU node brings its own CUDA torch: this target
+# installs nothing (PY=python3 there, with Riptide's dependencies; docs/training.md).
+learn-gpu:
+	$(PY) bench/learning.py --device cuda $(LEARN_ARGS)
 
 test: $(VENV)/.installed test-deps lint typecheck compose-check docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)

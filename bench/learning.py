@@ -127,7 +127,8 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
         "rollout": {"task_ids": train, "scheduler": {
             "max_concurrent_samples": args.in_flight, "n_samples_per_prompt": args.group_size,
             "num_groups_per_batch": args.groups_per_step, "max_new_tokens": AGENT["max_new_tokens"],
-            "temperature": 0.8, "max_staleness": 2, "drop_zero_variance_groups": True,
+            "temperature": 0.8, "max_staleness": args.max_staleness,
+            "drop_zero_variance_groups": True,
             "zero_variance_cooldown_passes": args.cooldown_passes,
             "task_sampling": args.task_sampling},
             "fleet": {"model_path": str(model), "start_timeout_s": 600.0,
@@ -260,6 +261,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--in-flight", type=int, default=None,
                         help="episodes in flight (default: 16 on CPU, two groups decoding as "
                         "one batch; 128 on GPU)")
+    parser.add_argument("--max-staleness", type=int, default=2,
+                        help="weight versions a sample may lag the trainer; it also caps the "
+                        "episodes in flight at (max_staleness + 1) x groups a step x group "
+                        "size (the rollout's admission rule)")
     parser.add_argument("--task-sampling", default="informative",
                         choices=("informative", "cycle"),
                         help="informative: tasks drawn by the chance that a group of them has "
@@ -374,6 +379,9 @@ def main() -> None:
     print(json.dumps({
         "model": str(args.model), "rl_from": rl_from, "device": args.device,
         "dtype": args.dtype, "weight_sync": config.trainer.weight_sync.mode,
+        "settings": {k: getattr(args, k) for k in (
+            "steps", "budget_min", "in_flight", "max_staleness", "group_size",
+            "groups_per_step", "lr", "microbatch_tokens", "recompute", "eval_samples")},
         "shared_prefix": args.shared_prefix,
         "steps": max(steps, default=0), "checkpoint_step": checkpoint_step,
         "groups_trained": sum(int(a.get("groups") or 0) for a in steps.values()),

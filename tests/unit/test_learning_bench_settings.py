@@ -1,0 +1,41 @@
+"""bench/learning.py's settings: each device's defaults (a flag overrides them), and the GPU
+run's config: colocated weight sync, the engine on the GPU with every episode in one batch."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("learning_bench", REPO / "bench" / "learning.py")
+assert _spec is not None and _spec.loader is not None
+learning = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(learning)
+
+
+def test_each_device_has_its_defaults_and_flags_override_them() -> None:
+    gpu = learning.parse_args(["--device", "cuda"])
+    assert (gpu.steps, gpu.in_flight, gpu.groups_per_step, gpu.eval_samples) == (100, 128, 2, 4)
+    assert (gpu.recompute, gpu.optimizer_on_disk, gpu.dtype) == (False, False, "bfloat16")
+    cpu = learning.parse_args([])
+    assert (cpu.steps, cpu.in_flight, cpu.groups_per_step, cpu.eval_samples) == (40, 16, 1, 0)
+    assert cpu.recompute and cpu.optimizer_on_disk
+    flags = learning.parse_args(["--device", "cuda", "--in-flight", "64", "--recompute",
+                                 "--max-staleness", "4", "--dtype", "float32"])
+    assert (flags.in_flight, flags.recompute, flags.max_staleness, flags.dtype) == (
+        64, True, 4, "float32")
+
+
+def test_the_gpu_run_is_colocated_with_the_engine_on_the_gpu(tmp_path: Path) -> None:
+    args = learning.parse_args(["--device", "cuda", "--max-staleness", "3"])
+    config = learning._config(tmp_path, tmp_path / "model", args)
+    assert config.trainer.weight_sync.mode == "colocated"
+    engine_args = list(config.rollout.fleet.builtin_args)
+    assert engine_args[engine_args.index("--device") + 1] == "cuda"
+    assert engine_args[engine_args.index("--max-running-requests") + 1] == "128"
+    assert config.rollout.scheduler.max_staleness == 3
+    assert config.rollout.scheduler.max_concurrent_samples == 128
+    assert config.trainer.model.recompute_granularity == "none"
+    cpu = learning._config(tmp_path / "cpu", tmp_path / "model", learning.parse_args([]))
+    assert cpu.trainer.weight_sync.mode == "rollout"
+    assert cpu.trainer.model.recompute_granularity == "full"
