@@ -152,7 +152,8 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
                     # One GPU: no NCCL group between two processes on one device; the
                     # trainer hands its weights over through CUDA IPC (docs/colocated.md).
                     "weight_sync": {"dtype": args.dtype, **(
-                        {"mode": "colocated"} if args.device == "cuda" else {})}},
+                        {"mode": "colocated", "bucket_mb": None}  # the mode's own (2 GiB)
+                        if args.device == "cuda" else {})}},
     })
 
 

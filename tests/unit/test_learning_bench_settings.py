@@ -30,6 +30,7 @@ def test_the_gpu_run_is_colocated_with_the_engine_on_the_gpu(tmp_path: Path) -> 
     args = learning.parse_args(["--device", "cuda", "--max-staleness", "3"])
     config = learning._config(tmp_path, tmp_path / "model", args)
     assert config.trainer.weight_sync.mode == "colocated"
+    assert config.trainer.weight_sync.bucket_size_mb == 2048.0  # one bucket for a small model
     engine_args = list(config.rollout.fleet.builtin_args)
     assert engine_args[engine_args.index("--device") + 1] == "cuda"
     assert engine_args[engine_args.index("--max-running-requests") + 1] == "128"
