@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.checkpoint_steps import latest_checkpoint_step
 from services.common.config import dump_config
@@ -180,8 +181,8 @@ def _generated_tokens(url: str | None) -> float | None:
         text = httpx.get(f"{url}/metrics", timeout=5).text
     except httpx.HTTPError:
         return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("sglang:generation_tokens_total")]
+    values = [sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples if sample.name == "sglang:generation_tokens_total"]
     return sum(values) if values else None
 
 

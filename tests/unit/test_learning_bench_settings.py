@@ -40,3 +40,37 @@ def test_the_gpu_run_is_colocated_with_the_engine_on_the_gpu(tmp_path: Path) -> 
     cpu = learning._config(tmp_path / "cpu", tmp_path / "model", learning.parse_args([]))
     assert cpu.trainer.weight_sync.mode == "rollout"
     assert cpu.trainer.model.recompute_granularity == "full"
+
+
+def test_the_engine_generation_counter_is_summed_over_its_ranks() -> None:
+    """Engine tokens/s comes from the engine's own /metrics counter, every dp rank's sample."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    tokens = Counter("sglang:generation_tokens", "tokens generated", ["dp_rank"],
+                     registry=registry)
+    tokens.labels("0").inc(120)
+    tokens.labels("1").inc(30)
+    body = generate_latest(registry)
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert learning._generated_tokens(f"http://127.0.0.1:{server.server_port}") == 150.0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert learning._generated_tokens(None) is None
