@@ -240,11 +240,13 @@ def trained_steps(events: list[Event]) -> dict[int, dict[str, Any]]:
 CPU_DEFAULTS: dict[str, Any] = {
     "steps": 40, "budget_min": 30.0, "in_flight": 16, "group_size": 8, "groups_per_step": 1,
     "microbatch_tokens": 2048, "recompute": True, "optimizer_on_disk": True,
-    "eval_interval": 10, "checkpoint_interval": 5, "eval_samples": 0, "eval_concurrency": 5}
+    "eval_interval": 10, "checkpoint_interval": 5, "eval_samples": 0, "eval_concurrency": 5,
+    "max_staleness": 2}
 GPU_DEFAULTS: dict[str, Any] = {
     "steps": 100, "budget_min": 6.0, "in_flight": 128, "group_size": 8, "groups_per_step": 2,
     "microbatch_tokens": 8192, "recompute": False, "optimizer_on_disk": False,
-    "eval_interval": 20, "checkpoint_interval": 25, "eval_samples": 4, "eval_concurrency": 40}
+    "eval_interval": 25, "checkpoint_interval": 25, "eval_samples": 4, "eval_concurrency": 40,
+    "max_staleness": 4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -263,10 +265,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--in-flight", type=int, default=None,
                         help="episodes in flight (default: 16 on CPU, two groups decoding as "
                         "one batch; 128 on GPU)")
-    parser.add_argument("--max-staleness", type=int, default=2,
-                        help="weight versions a sample may lag the trainer; it also caps the "
-                        "episodes in flight at (max_staleness + 1) x groups a step x group "
-                        "size (the rollout's admission rule)")
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="weight versions a sample may lag the trainer (default: 2 on CPU, "
+                        "4 on GPU); it also caps the episodes in flight at (max_staleness + 1) "
+                        "x groups a step x group size (the rollout's admission rule)")
     parser.add_argument("--task-sampling", default="informative",
                         choices=("informative", "cycle"),
                         help="informative: tasks drawn by the chance that a group of them has "
@@ -404,6 +406,12 @@ def main() -> None:
         "weight_sync_s_per_step": round(trainer["total_weight_sync_s"]
                                         / trainer["steps_recorded"], 4)
         if trainer.get("steps_recorded") else None,
+        "trainer_step_s_per_step": round(trainer["total_step_s"] / trainer["steps_recorded"], 3)
+        if trainer.get("steps_recorded") else None,
+        # what fed the trainer: episodes scored, how many ran at once, how long a group took
+        "rollout": {k: rollout.get(k) for k in (
+            "finished_samples", "mean_in_flight", "group_latency_s_p50",
+            "staleness_of_written_groups")},
         # the trainer's allocator peak (on a GPU) and the engine's split at the end
         "memory_gib": {"trainer_peak_cuda_reserved": round(
             last_metrics["cuda_peak_reserved_gib"], 3)

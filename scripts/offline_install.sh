@@ -19,7 +19,7 @@ for dir in "$@"; do
     for deb in "$dir"/debs/*.deb; do
         [ -e "$deb" ] && dpkg -x "$deb" "$prefix/root"
     done
-    [ -d "$dir/model" ] && cp "$dir"/model/* "$prefix/parts/"
+    if compgen -G "$dir/model/*" >/dev/null; then cp "$dir"/model/* "$prefix/parts/"; fi
 done
 libs="$prefix/root/usr/lib/x86_64-linux-gnu"
 for tool in redis-server redis-cli bwrap; do

@@ -17,13 +17,15 @@ def test_each_device_has_its_defaults_and_flags_override_them() -> None:
     gpu = learning.parse_args(["--device", "cuda"])
     assert (gpu.steps, gpu.in_flight, gpu.groups_per_step, gpu.eval_samples) == (100, 128, 2, 4)
     assert (gpu.recompute, gpu.optimizer_on_disk, gpu.dtype) == (False, False, "bfloat16")
+    assert (gpu.max_staleness, gpu.eval_interval) == (4, 25)
     cpu = learning.parse_args([])
     assert (cpu.steps, cpu.in_flight, cpu.groups_per_step, cpu.eval_samples) == (40, 16, 1, 0)
+    assert (cpu.max_staleness, cpu.eval_interval) == (2, 10)
     assert cpu.recompute and cpu.optimizer_on_disk
     flags = learning.parse_args(["--device", "cuda", "--in-flight", "64", "--recompute",
-                                 "--max-staleness", "4", "--dtype", "float32"])
+                                 "--max-staleness", "6", "--dtype", "float32"])
     assert (flags.in_flight, flags.recompute, flags.max_staleness, flags.dtype) == (
-        64, True, 4, "float32")
+        64, True, 6, "float32")
 
 
 def test_the_gpu_run_is_colocated_with_the_engine_on_the_gpu(tmp_path: Path) -> None:
