@@ -56,7 +56,8 @@ if TYPE_CHECKING:
 SERVICE_ORDER = ("router", "sandbox", "trainer", "rollout")
 # On SIGTERM the trainer finishes its step, its weight sync and a checkpoint of what it has
 # not checkpointed (so the run's last steps survive a stop); for a real model that takes far
-# longer than the 10 s other services get.
+# longer than the 10 s other services get: at least this, more where its steps are slower
+# (trainer_stop_grace_s).
 TRAINER_STOP_GRACE_S = 180.0
 #: The rollout's score mode: one evaluation of a model, no stream and no trainer.
 SCORE_ORDER = ("router", "sandbox", "rollout")
@@ -264,7 +265,13 @@ class LocalStack:
         save the run's events (while Redis still runs), then Redis."""
         order = ["trainer", *(n for n in reversed(SERVICE_ORDER) if n != "trainer")]
         names = [n for n in order if n in self.supervisor.children]
-        self.supervisor.stop_all(names, grace_s={"trainer": TRAINER_STOP_GRACE_S})
+        grace = TRAINER_STOP_GRACE_S
+        if "trainer" in names:
+            grace = trainer_stop_grace_s(_trainer_details(self.config))
+            if grace > TRAINER_STOP_GRACE_S:
+                self.say(f"[up] stopping: the trainer has up to {grace:.0f} s to finish its "
+                         "step and checkpoint (its last step took that long)")
+        self.supervisor.stop_all(names, grace_s={"trainer": grace})
         if "redis" in self.supervisor.children and self.config.run.events.enabled:
             self.save_events()
         self.supervisor.stop_all()
@@ -452,6 +459,20 @@ def _trainer_details(config: Any) -> dict[str, Any]:
     except (httpx.HTTPError, ValueError):
         return {}
     return dict(state.get("details") or {})
+
+
+def trainer_stop_grace_s(details: dict[str, Any]) -> float:
+    """Seconds between the trainer's SIGTERM and its SIGKILL: enough to finish the step in
+    progress, sync it and checkpoint what is not yet checkpointed, judged by its last step
+    (twice it, plus a minute), and never less than TRAINER_STOP_GRACE_S. On a slow machine a
+    fixed grace would kill a step in progress and lose every step since the last checkpoint."""
+    last = details.get("last_step") or {}
+    try:
+        seconds = sum(float(last.get(key) or 0.0)
+                      for key in ("step_s", "weight_sync_s", "checkpoint_s"))
+    except (TypeError, ValueError):
+        seconds = 0.0
+    return max(TRAINER_STOP_GRACE_S, 2 * seconds + 60.0)
 
 
 def trainer_step(config: Any) -> int:
