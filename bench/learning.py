@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -214,6 +215,17 @@ def _cache_hit_rate(events: list[Event]) -> float | None:
     loads = [e for e in events if e.kind == "rollout.load"]
     rate = cache_hit_rate(loads[-1]) if loads else None
     return None if rate is None else round(rate, 3)
+
+
+def episode_seconds_p50(events: list[Event]) -> dict[str, float] | None:
+    """Medians over the run's training episodes of where their time went (queued, create,
+    generate, commands, verify, total), as the sandbox service measured it."""
+    seconds = [e.attrs["seconds"] for e in events if e.kind == "rollout.episode"
+               and not e.attrs.get("eval") and isinstance(e.attrs.get("seconds"), dict)]
+    if not seconds:
+        return None
+    return {name: round(statistics.median(float(s.get(name, 0.0)) for s in seconds), 3)
+            for name in seconds[0]}
 
 
 def _success_line(result: dict[str, Any]) -> str:
@@ -418,6 +430,7 @@ def main() -> None:
             if "cuda_peak_reserved_gib" in last_metrics else None,
             "engine": engine_memory},
         "cache_hit_rate": _cache_hit_rate(events),
+        "episode_seconds_p50": episode_seconds_p50(events),
         "task_sampler_at_end": rollout.get("task_sampler"),
         "heldout_initial_tasks": {t: r["success"] for t, r in initial["tasks"].items()},
         "heldout_final_tasks": {t: r["success"] for t, r in (final.get("tasks") or {}).items()},

@@ -70,7 +70,8 @@ KINDS: dict[str, str] = {
                        "scored, else a name of services/common/no_verdict.py: "
                        "provider_create_failed, sandbox_lost, agent_timeout, agent_error, "
                        "context_overflow, verifier_error, verifier_timeout, engine_error), "
-                       "eval (bool)",
+                       "eval (bool), seconds (where the sandbox service saw its time go: "
+                       "queued, create, generate, commands, verify, total)",
     "rollout.group_dropped": "instant (id the group id): group_id, reason (stale, no_verdict, "
                              "zero_variance, rejected_duplicate_id), samples",
     "rollout.eval": "span of one evaluation, first episode..last: weight_version, "

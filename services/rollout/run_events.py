@@ -19,6 +19,14 @@ from services.common.no_verdict import trajectory_cause
 from services.rollout.episodes import generated_versions
 
 
+def episode_seconds(timings: common_pb2.EpisodeTimings) -> dict[str, float]:
+    """Where an episode's wall time went, as the sandbox service measured it: queued for a
+    slot, creating the sandbox, generating, running commands, verifying, and in all."""
+    return {name: round(getattr(timings, field), 3) for name, field in (
+        ("queued", "queued_s"), ("create", "sandbox_create_s"), ("generate", "generate_s"),
+        ("commands", "exec_s"), ("verify", "verify_s"), ("total", "total_s"))}
+
+
 class RolloutEvents:
     """What the rollout publishes; every method returns at once."""
 
@@ -52,6 +60,7 @@ class RolloutEvents:
             "aborted": "Aborted" in trajectory.status_message,
             "message": trajectory.status_message[:300], "eval": evaluation,
             "no_verdict_cause": trajectory_cause(trajectory),
+            "seconds": episode_seconds(trajectory.timings),
         })  # fmt: skip
 
     def group_dropped(self, group_id: str, reason: str, weight_version: int,

@@ -76,3 +76,18 @@ def test_the_engine_generation_counter_is_summed_over_its_ranks() -> None:
         server.shutdown()
         server.server_close()
     assert learning._generated_tokens(None) is None
+
+
+def test_episode_seconds_are_medians_over_the_training_episodes() -> None:
+    from services.common.events import Event
+
+    def episode(total: float, evaluation: bool = False) -> Event:
+        return Event.model_validate({
+            "kind": "rollout.episode", "service": "rollout", "start": 0.0, "end": total,
+            "id": "s", "attrs": {"eval": evaluation, "seconds": {
+                "generate": total / 2, "commands": 1.0, "total": total}}})
+
+    events = [episode(2.0), episode(4.0), episode(9.0), episode(100.0, evaluation=True)]
+    assert learning.episode_seconds_p50(events) == {"generate": 2.0, "commands": 1.0,
+                                                    "total": 4.0}
+    assert learning.episode_seconds_p50([episode(3.0, evaluation=True)]) is None

@@ -100,3 +100,18 @@ def test_eval_is_published_once_all_its_episodes_are_in() -> None:
     events.eval_done(2, full)
     (evaluation,) = publisher.kinds("rollout.eval")
     assert evaluation.attrs == {"weight_version": 2, "mean_success": 0.5, "per_task": {"a": 0.5}}
+
+
+def test_an_episode_carries_where_its_time_went() -> None:
+    from services._proto.riptide.v1 import common_pb2, sandbox_pb2
+
+    publisher = CapturePublisher()
+    trajectory = common_pb2.Trajectory(status=common_pb2.VERDICT_STATUS_SCORED, reward=1.0)
+    trajectory.timings.CopyFrom(common_pb2.EpisodeTimings(
+        queued_s=0.25, sandbox_create_s=0.0061, generate_s=2.7, exec_s=1.5, verify_s=0.12,
+        total_s=4.6))
+    RolloutEvents(publisher).episode(sandbox_pb2.RunEpisodeRequest(sample_id="s"), trajectory,
+                                     started=0.0, weight_version=1)
+    (episode,) = publisher.kinds("rollout.episode")
+    assert episode.attrs["seconds"] == {"queued": 0.25, "create": 0.006, "generate": 2.7,
+                                        "commands": 1.5, "verify": 0.12, "total": 4.6}
