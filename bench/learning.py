@@ -33,6 +33,11 @@ JSON adds the engine's tokens/s over the RL phase (its own generation counter), 
 sync's seconds per step and the memory of the trainer (its CUDA allocator's peak) and of the
 engine (weights, KV slots and what its CUDA allocator reserved; on CPU the first two).
 
+To say what holds the steps back, the JSON also has, over the RL phase: the engine's mean
+inter-token, first-token, queue and request latencies (`engine`), the medians of where a
+training episode's time went (`episode_seconds_p50`), and each service's CPU (`cpu`: cores
+busy, and its busiest thread's share of the phase; a share near 1 is a saturated loop).
+
 Usage: python bench/learning.py [--device cpu|cuda] [--steps 40] [--budget-min 30]
                                 [--warm-start-steps 0]
 Last line: {"steps": n, "checkpoint_step": n, "per_step_reward": [...], "heldout_initial": x,
@@ -60,6 +65,7 @@ from services.common.config import dump_config
 from services.common.events import Event, load_events
 from services.common.progress import StepProgress, cache_hit_rate
 from services.local_stack import LocalStack, local_config, trainer_finished
+from services.testing.cpu_sampler import CpuSnapshot, cpu_use, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 STARTER = REPO / "tasks" / "starter"
@@ -174,17 +180,47 @@ def _engine_url(config: Any) -> str | None:
     return str(engines[0]["url"]).rstrip("/") if engines and engines[0].get("url") else None
 
 
-def _generated_tokens(url: str | None) -> float | None:
-    """The engine's own count of tokens generated so far (its /metrics counter)."""
+#: the engine's /metrics samples the run reads, summed over its label sets
+_ENGINE_SAMPLES = ("sglang:generation_tokens_total", "sglang:num_requests_total") + tuple(
+    f"sglang:{h}_seconds_{part}" for h in (
+        "inter_token_latency", "time_to_first_token", "queue_time", "e2e_request_latency")
+    for part in ("sum", "count"))
+
+
+def _engine_counters(url: str | None) -> dict[str, float]:
+    """The engine's own counters and latency histograms' sums and counts, so far."""
     if url is None:
-        return None
+        return {}
     try:
         text = httpx.get(f"{url}/metrics", timeout=5).text
     except httpx.HTTPError:
-        return None
-    values = [sample.value for family in text_string_to_metric_families(text)
-              for sample in family.samples if sample.name == "sglang:generation_tokens_total"]
-    return sum(values) if values else None
+        return {}
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _ENGINE_SAMPLES:
+                counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
+    return counters
+
+
+def engine_figures(before: dict[str, float], after: dict[str, float], wall_s: float
+                   ) -> dict[str, float | None]:
+    """The engine over an interval: tokens/s, requests finished and the mean inter-token,
+    first-token, queue and request latencies (ms) of what it served in between."""
+    def delta(name: str) -> float | None:  # a series the engine had not started yet is 0
+        return after[name] - before.get(name, 0.0) if name in after else None
+
+    def mean_ms(histogram: str) -> float | None:
+        total, count = (delta(f"sglang:{histogram}_seconds_{p}") for p in ("sum", "count"))
+        return None if total is None or not count else round(1000 * total / count, 2)
+
+    tokens = delta("sglang:generation_tokens_total")
+    return {"tokens_per_s": None if tokens is None else round(tokens / max(wall_s, 1e-9), 1),
+            "requests": delta("sglang:num_requests_total"),
+            "itl_mean_ms": mean_ms("inter_token_latency"),
+            "ttft_mean_ms": mean_ms("time_to_first_token"),
+            "queue_mean_ms": mean_ms("queue_time"),
+            "request_mean_ms": mean_ms("e2e_request_latency")}
 
 
 def _engine_memory_gib(config: Any, url: str | None) -> dict[str, float]:
@@ -358,11 +394,16 @@ def main() -> None:
     progress = StepProgress(config.redis, config.run.name, args.steps)
     trainer_rss_mb = 0.0
     engine_memory: dict[str, float] = {}
-    generated: list[tuple[float, float | None]] = []
+    engine_before: dict[str, float] = {}
+    engine: dict[str, float | None] = {}
+    cpu_before: CpuSnapshot | None = None
+    cpu: dict[str, dict[str, object]] = {}
     try:
         stack.start(ready_timeout_s=900)
         engine_url = _engine_url(config)
-        generated.append((time.monotonic(), _generated_tokens(engine_url)))
+        engine_started = time.monotonic()
+        engine_before = _engine_counters(engine_url)
+        cpu_before = snapshot({n: c.pid for n, c in stack.children.items()})
         while not trainer_finished(config, args.steps) and time.monotonic() < deadline:
             stack.check_children()  # restarts a dead service; raises when one keeps dying
             child = stack.children.get("trainer")
@@ -371,7 +412,9 @@ def main() -> None:
             for line in progress.poll():  # the lines `riptide up` prints, steps and evals
                 say(line)
             time.sleep(1.0)
-        generated.append((time.monotonic(), _generated_tokens(engine_url)))
+        engine = engine_figures(engine_before, _engine_counters(engine_url),
+                                time.monotonic() - engine_started)
+        cpu = cpu_use(cpu_before, snapshot({n: c.pid for n, c in stack.children.items()}))
         engine_memory = _engine_memory_gib(config, engine_url)
         rollout = _details(config, "rollout").get("scheduler", {})
         trainer = _details(config, "trainer")
@@ -391,7 +434,6 @@ def main() -> None:
         say(f"[learn] final held-out success {_success_line(final)}")
     last_step = steps[max(steps)] if steps else {}
     last_metrics = (trainer.get("last_step") or {}).get("metrics") or {}
-    (t0, tokens0), (t1, tokens1) = (generated + [(0.0, None)] * 2)[:2]
     print(json.dumps({
         "model": str(args.model), "rl_from": rl_from, "device": args.device,
         "dtype": args.dtype, "weight_sync": config.trainer.weight_sync.mode,
@@ -413,8 +455,11 @@ def main() -> None:
         "heldout_sampled_initial": (initial.get("sampled") or {}).get("mean_success"),
         "heldout_sampled_final": (final.get("sampled") or {}).get("mean_success"),
         "eval_samples": args.eval_samples,
-        "engine_tokens_per_s": None if tokens0 is None or tokens1 is None
-        else round((tokens1 - tokens0) / max(t1 - t0, 1e-9), 1),
+        "engine_tokens_per_s": engine.get("tokens_per_s"),
+        # the engine over the RL phase: requests, mean inter-token / first-token / queue ms
+        "engine": engine,
+        # each service's process tree: cores busy, and its busiest thread's share of the phase
+        "cpu": cpu,
         "weight_sync_s_per_step": round(trainer["total_weight_sync_s"]
                                         / trainer["steps_recorded"], 4)
         if trainer.get("steps_recorded") else None,

@@ -12,6 +12,7 @@ import torch
 
 from services.engine.decode_graphs import DecodeGraphs, width_bucket
 from services.engine.model_runner import ModelRunner
+from services.engine.prefill_graphs import ROW_BUCKETS, PrefillGraphs
 from services.engine.radix_cache import LayerKV
 from services.engine.slot_kv import SlotKV
 from services.engine.slot_model import PrefillRow, SlotModel
@@ -59,6 +60,7 @@ class SlotBatch:
         self.model = SlotModel(runner.model, self.kv)
         use_graphs = cuda_graph and runner.device.type == "cuda"
         self.graphs = DecodeGraphs(self.model, num_slots) if use_graphs else None
+        self.prefill_graphs = PrefillGraphs(self.model, use_graphs=True) if use_graphs else None
         self.slots: list[int] = []
         self.lengths: list[int] = []
         log.info("KV slots: %d x %d tokens, %.2f GiB", num_slots, slot_len,
@@ -73,8 +75,7 @@ class SlotBatch:
 
     def free_memory(self) -> None:
         """Free the KV storage and the decode graphs (the batch must be empty)."""
-        if self.graphs is not None:
-            self.graphs.reset()
+        self.drop_graphs()
         self.kv.free_storage()
 
     def restore_memory(self) -> None:
@@ -83,9 +84,11 @@ class SlotBatch:
             self.kv.allocate_storage()
 
     def drop_graphs(self) -> None:
-        """Forget the decode graphs: the weights they read are about to move."""
+        """Forget the decode and prefill graphs: the weights they read are about to move."""
         if self.graphs is not None:
             self.graphs.reset()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.reset()
 
     def capture_graphs(self) -> float:
         """Capture every decode graph again; returns seconds (0 without graphs)."""
@@ -119,10 +122,37 @@ class SlotBatch:
             if not rows:
                 return [torch.cat(p) for p in parts]
             for chunk in _chunks(rows):
-                outs = self.model.prefill([row for _, row in chunk])
+                outs = self._prefill_rows([row for _, row in chunk])
                 for (i, row), out in zip(chunk, outs, strict=True):
                     parts[i] = [*parts[i], out] if row.all_logits else [out]
                     starts[i] += len(row.tokens)
+
+    def _prefill_rows(self, rows: list[PrefillRow]) -> list[torch.Tensor]:
+        """One prefill of `rows`: those short enough for the graphs' buckets as replays (in
+        groups of the largest row bucket), the rest in one eager forward."""
+        graphs = self.prefill_graphs
+        if graphs is None:
+            return self.model.prefill(rows)
+        outs: list[torch.Tensor | None] = [None] * len(rows)
+        short = [i for i, row in enumerate(rows) if graphs.key([row]) is not None]
+        rest = [i for i in range(len(rows)) if i not in set(short)]
+        most = ROW_BUCKETS[-1]
+        groups = [short[i : i + most] for i in range(0, len(short), most)]
+        for group in groups:
+            part = [rows[i] for i in group]
+            key = graphs.key(part)
+            if key is None:  # this group's bucket failed to capture before
+                rest += group
+                continue
+            for i, out in zip(group, graphs.prefill(part, key), strict=True):
+                outs[i] = out
+        if rest:
+            rest.sort()
+            for i, out in zip(rest, self.model.prefill([rows[i] for i in rest]), strict=True):
+                outs[i] = out
+        done = [out for out in outs if out is not None]
+        assert len(done) == len(rows), "every row is prefilled once"
+        return done
 
     def pending_row(self, pending: tuple[int, int]) -> LayerKV:
         return self.kv.row(*pending)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from services.engine.prefill_attention import prefill_kernels
 from services.engine.slot_kv import SlotKV
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -165,8 +166,9 @@ class SlotModel:
             columns[i, :m] = positions[i, :m]
         device = self.cos.device
         read = torch.tensor([row.slot for row in rows], device=device)
-        hidden = self.forward(ids.to(device), positions.to(device),
-                              (slots.to(device), columns.to(device)), read, width)
+        with prefill_kernels("engine" if device.type == "cuda" else "torch"):
+            hidden = self.forward(ids.to(device), positions.to(device),
+                                  (slots.to(device), columns.to(device)), read, width)
         picked = [hidden[i, : len(row.tokens)] if row.all_logits
                   else hidden[i, len(row.tokens) - 1 : len(row.tokens)]
                   for i, row in enumerate(rows)]

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from services.engine.decode_graphs import DecodeGraphs, width_bucket
+from services.engine.prefill_graphs import PrefillGraphs
 from services.engine.slot_kv import SlotKV
 from services.engine.slot_model import PrefillRow, SlotModel
 from services.testing.engine_process import EngineProcess, tiny_model_path
@@ -64,6 +65,32 @@ def test_graph_replay_matches_transformers_and_follows_weight_copies() -> None:
             want = reference_last_logits(model, sequences[row])
             torch.testing.assert_close(logits[row], want, rtol=2e-3, atol=2e-3)
     assert graphs.num_graphs == 2  # (8, 256) then (8, 300) once the longest row passed 255
+
+
+def test_prefill_graph_replays_match_transformers_after_cached_prefixes() -> None:
+    model = qwen2_model()
+    kv = SlotKV(num_layers=2, num_slots=8, slot_len=300, kv_heads=2, head_dim=16,
+                dtype=torch.float32, device=CUDA)
+    slot_model = SlotModel(model, kv)
+    graphs = PrefillGraphs(slot_model, use_graphs=True)
+    gen = torch.Generator().manual_seed(4)
+    sequences = {slot: torch.randint(0, 97, (n,), generator=gen).tolist()
+                 for slot, n in ((kv.allocate(), 30), (kv.allocate(), 120), (kv.allocate(), 5))}
+    for slot, tokens in sequences.items():  # the cached prefixes, eagerly
+        slot_model.prefill([PrefillRow(slot, tokens, 0, all_logits=False)])
+    for turn in range(3):  # each turn: new pieces over the prefixes, one replay
+        rows = []
+        for slot, tokens in sequences.items():
+            piece = torch.randint(0, 97, (3 + 11 * turn + slot,), generator=gen).tolist()
+            rows.append(PrefillRow(slot, piece, len(tokens), all_logits=False))
+            tokens += piece
+        key = graphs.key(rows)
+        assert key is not None and key[0] == 4
+        logits = graphs.prefill(rows, key)
+        for row, out in zip(rows, logits, strict=True):
+            want = reference_last_logits(model, sequences[row.slot])
+            torch.testing.assert_close(out[0].float(), want, rtol=2e-3, atol=2e-3)
+    assert 1 <= graphs.num_graphs <= 3 and not graphs.failed
 
 
 def test_engine_process_decodes_concurrent_requests_as_transformers(tmp_path: Path) -> None:

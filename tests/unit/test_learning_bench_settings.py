@@ -71,11 +71,12 @@ def test_the_engine_generation_counter_is_summed_over_its_ranks() -> None:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        assert learning._generated_tokens(f"http://127.0.0.1:{server.server_port}") == 150.0
+        counters = learning._engine_counters(f"http://127.0.0.1:{server.server_port}")
     finally:
         server.shutdown()
         server.server_close()
-    assert learning._generated_tokens(None) is None
+    assert counters == {"sglang:generation_tokens_total": 150.0}
+    assert learning._engine_counters(None) == {}
 
 
 def test_episode_seconds_are_medians_over_the_training_episodes() -> None:
@@ -91,3 +92,20 @@ def test_episode_seconds_are_medians_over_the_training_episodes() -> None:
     assert learning.episode_seconds_p50(events) == {"generate": 2.0, "commands": 1.0,
                                                     "total": 4.0}
     assert learning.episode_seconds_p50([episode(3.0, evaluation=True)]) is None
+
+
+def test_engine_figures_are_the_interval_s_deltas() -> None:
+    before = {"sglang:generation_tokens_total": 100.0, "sglang:num_requests_total": 4.0,
+              "sglang:inter_token_latency_seconds_sum": 1.0,
+              "sglang:inter_token_latency_seconds_count": 100.0}
+    after = {"sglang:generation_tokens_total": 1100.0, "sglang:num_requests_total": 14.0,
+             "sglang:inter_token_latency_seconds_sum": 13.0,
+             "sglang:inter_token_latency_seconds_count": 1100.0}
+    figures = learning.engine_figures(before, after, 10.0)
+    assert figures["tokens_per_s"] == 100.0 and figures["requests"] == 10.0
+    assert figures["itl_mean_ms"] == 12.0  # 12 s over 1,000 tokens
+    assert figures["ttft_mean_ms"] is None  # not exposed: not made up
+    # a series born after the first read (labelled children appear on first use) counts from 0
+    later = learning.engine_figures({}, {"sglang:num_requests_total": 7.0}, 1.0)
+    assert later["requests"] == 7.0
+    assert learning.engine_figures({}, {}, 10.0)["tokens_per_s"] is None
