@@ -14,7 +14,7 @@ from services.common.errors import ConfigError, InvalidRequest
 from services.engine.batch_kv import BatchKV
 from services.engine.checkpoint_names import CheckpointNames
 from services.engine.config import EngineConfig
-from services.engine.radix_cache import LayerKV
+from services.engine.radix_cache import LayerKV, kv_len
 from services.engine.routed_experts import RoutedExpertsRecorder
 from services.engine.shared_tensors import WeightCopy
 from services.engine.slot_model import choose_decode_backend
@@ -86,7 +86,7 @@ class ModelRunner:
 
         The prefix covers tokens[:p]; only tokens[p:] are computed.
         """
-        p = 0 if prefix is None else prefix[0][0].shape[1]
+        p = 0 if prefix is None else kv_len(prefix)
         if prefix is None:
             cache = DynamicCache()
         else:

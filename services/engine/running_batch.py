@@ -19,9 +19,9 @@ import torch
 from services.engine.batch_kv import BatchKV, cache_layers
 from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
-from services.engine.radix_cache import LayerKV
+from services.engine.radix_cache import KV
 
-PrefillJob = tuple[list[int], LayerKV | None, bool]  # tokens, cached prefix, all logits?
+PrefillJob = tuple[list[int], KV | None, bool]  # tokens, cached prefix, all logits?
 
 
 class RunningBatch(Protocol):
@@ -36,8 +36,8 @@ class RunningBatch(Protocol):
         """Per job (tokens, cached prefix KV or None, all logits?): (logits [n or 1, V] of the
         tokens after the prefix, a pending row)."""
 
-    def pending_row(self, pending: Any) -> LayerKV:
-        """A pending row's KV per layer [H, n, D]."""
+    def pending_row(self, pending: Any) -> KV:
+        """A pending row's KV, in the form the backend's prefix cache holds (radix_cache.KV)."""
 
     def discard(self, pending: Any) -> None: ...
 
@@ -46,7 +46,7 @@ class RunningBatch(Protocol):
     def decode(self, last_tokens: list[int]) -> torch.Tensor:
         """Forward each row's newest token; returns logits [B, V] (lengths grow by one)."""
 
-    def row(self, index: int) -> LayerKV: ...
+    def row(self, index: int) -> KV: ...
 
     def keep_rows(self, indices: list[int]) -> None:
         """Keep only the rows at `indices`, in that order."""
@@ -62,11 +62,12 @@ class PaddedBatch(BatchKV):
     def prefill(self, jobs: list[PrefillJob]) -> list[tuple[torch.Tensor, Any]]:
         out = []
         for tokens, prefix, all_logits in jobs:
+            assert not isinstance(prefix, torch.Tensor), "this backend's cache holds layers"
             logits, cache = self.runner.prefill(tokens, prefix, all_logits=all_logits)
             out.append((logits, (cache, len(tokens))))
         return out
 
-    def pending_row(self, pending: Any) -> LayerKV:
+    def pending_row(self, pending: Any) -> KV:
         return [(k[0], v[0]) for k, v in cache_layers(pending[0])]
 
     def discard(self, pending: Any) -> None:

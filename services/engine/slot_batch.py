@@ -13,14 +13,14 @@ import torch
 from services.engine.decode_graphs import DecodeGraphs, width_bucket
 from services.engine.model_runner import ModelRunner
 from services.engine.prefill_graphs import ROW_BUCKETS, PrefillGraphs
-from services.engine.radix_cache import LayerKV
+from services.engine.radix_cache import KV, kv_len
 from services.engine.slot_kv import SlotKV
 from services.engine.slot_model import PrefillRow, SlotModel
 
 log = logging.getLogger(__name__)
 
 
-PrefillJob = tuple[list[int], LayerKV | None, bool]  # tokens, cached prefix, all logits?
+PrefillJob = tuple[list[int], KV | None, bool]  # tokens, cached prefix, all logits?
 PIECE_TOKENS = 1024  # longest prompt piece in one forward
 CHUNK_CELLS = 1 << 25  # most rows x tokens x width in one prefill forward (attention scores)
 
@@ -112,7 +112,7 @@ class SlotBatch:
                 for out, slot, (tokens, _, _) in zip(logits, slots, jobs, strict=True)]
 
     def _prefill_pieces(self, jobs: list[PrefillJob], slots: list[int]) -> list[torch.Tensor]:
-        starts = [0 if prefix is None else prefix[0][0].shape[1] for _, prefix, _ in jobs]
+        starts = [0 if prefix is None else kv_len(prefix) for _, prefix, _ in jobs]
         parts: list[list[torch.Tensor]] = [[] for _ in jobs]
         while True:
             rows = [(i, PrefillRow(slots[i], tokens[starts[i] : starts[i] + PIECE_TOKENS],
@@ -154,7 +154,7 @@ class SlotBatch:
         assert len(done) == len(rows), "every row is prefilled once"
         return done
 
-    def pending_row(self, pending: tuple[int, int]) -> LayerKV:
+    def pending_row(self, pending: tuple[int, int]) -> KV:
         return self.kv.row(*pending)
 
     def discard(self, pending: tuple[int, int]) -> None:
@@ -200,7 +200,7 @@ class SlotBatch:
         inverse[torch.tensor(order)] = torch.arange(self.size)
         return logits.index_select(0, inverse.to(device))
 
-    def row(self, index: int) -> LayerKV:
+    def row(self, index: int) -> KV:
         return self.kv.row(self.slots[index], self.lengths[index])
 
     def keep_rows(self, indices: list[int]) -> None:

@@ -18,7 +18,7 @@ import mmap
 import torch
 
 from services.common.errors import Unavailable
-from services.engine.radix_cache import LayerKV
+from services.engine.radix_cache import KV, kv_len
 
 
 class SlotKV:
@@ -35,28 +35,31 @@ class SlotKV:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self._spec = (num_layers, (num_slots + 1, kv_heads, slot_len, head_dim), dtype, device)
-        self.keys: list[torch.Tensor] = []
+        self._spec = ((num_layers, 2, num_slots + 1, kv_heads, slot_len, head_dim), dtype, device)
+        self.storage: torch.Tensor | None = None  # [layers, 2 (key, value), slots + 1, H, L, D]
+        self.keys: list[torch.Tensor] = []  # per layer [slots + 1, H, L, D], views of storage
         self.values: list[torch.Tensor] = []
         self.allocate_storage()
         self.num_slots = num_slots
         self.slot_len = slot_len
         self.sink = num_slots
+        self.stacked_rows = device.type != "cpu"
         self._free = list(range(num_slots))  # a heap: the lowest free slot goes first
 
     def allocate_storage(self) -> None:
         """(Re)allocate every layer's storage, zeroed; after `free_storage` the tensors are new
         (other addresses: CUDA graphs captured on the old ones must be captured again)."""
-        num_layers, shape, dtype, device = self._spec
-        self.keys = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.values = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        shape, dtype, device = self._spec
+        self.storage = _zeros(shape, dtype, device)
+        self.keys = [layer[0] for layer in self.storage]
+        self.values = [layer[1] for layer in self.storage]
 
     def free_storage(self) -> None:
         """Drop every layer's storage (colocated mode: the trainer uses the memory); every slot
         must be free."""
         if len(self._free) != self.num_slots:
             raise ValueError("KV storage freed while slots are in use")
-        self.keys, self.values = [], []
+        self.storage, self.keys, self.values = None, [], []
 
     @property
     def num_free(self) -> int:
@@ -78,15 +81,27 @@ class SlotKV:
             raise ValueError(f"slot {slot} is not allocated")
         heapq.heappush(self._free, slot)
 
-    def write(self, slot: int, kv: LayerKV) -> None:
-        """Copy per-layer KV [H, n, D] (a cached prefix) into the first n columns of `slot`."""
+    def write(self, slot: int, kv: KV) -> None:
+        """Copy a cached prefix of n tokens (stacked [layers, 2, H, n, D] in one copy, or per
+        layer [H, n, D]) into the first n columns of `slot`."""
+        n = kv_len(kv)
+        if isinstance(kv, torch.Tensor):
+            assert self.storage is not None, "KV storage is released"
+            self.storage[:, :, slot, :, :n] = kv
+            return
         for keys, values, (k, v) in zip(self.keys, self.values, kv, strict=True):
-            n = k.shape[1]
             keys[slot, :, :n] = k
             values[slot, :, :n] = v
 
-    def row(self, slot: int, length: int) -> LayerKV:
-        """The first `length` tokens of `slot`, per layer [H, length, D] (views)."""
+    def row(self, slot: int, length: int) -> KV:
+        """The first `length` tokens of `slot` (views): on a GPU stacked [layers, 2, H, length,
+        D], so the prefix cache copies it in one kernel instead of one per layer and per key
+        and value (12x less per request on an H200); on the CPU per layer [H, length, D], where
+        the copies are not launch-bound and the stacked ones were slower in float32
+        (bench/engine_cache_ops.py, docs/engine-cuda.md)."""
+        assert self.storage is not None, "KV storage is released"
+        if self.stacked_rows:
+            return self.storage[:, :, slot, :, :length]
         return [(k[slot, :, :length], v[slot, :, :length])
                 for k, v in zip(self.keys, self.values, strict=True)]
 
