@@ -7,6 +7,7 @@ and stop or kill exactly that group.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -42,8 +43,9 @@ class ChildServer:
     def check_starting(self, what: str) -> None:
         """Stop and raise if the child died or the start deadline passed."""
         if self.proc.poll() is not None or time.monotonic() > self.deadline:
+            tail = self.log_tail()
             self.stop()
-            raise Unavailable(f"{self.name} {what}: {self.log_tail()}")
+            raise Unavailable(f"{self.name} {what}: {tail}")
 
     def log_tail(self, num_chars: int = 4000) -> str:
         try:
@@ -59,7 +61,9 @@ class ChildServer:
         process.stop(self.proc, grace_s=0)
 
     def stop(self) -> None:
+        """Stop the server's process group, then remove its folder."""
         process.stop(self.proc, grace_s=self.stop_grace_s)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> Self:
         return self

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -45,7 +46,7 @@ class GatewayProcess(ChildServer):
                           "--router-http", router_http],
                          start_timeout_s, env)
         self.keys: dict[str, str] = json.loads(keys_file.read_text())
-        keys_file.unlink()
+        shutil.rmtree(keys_file.parent)
 
     def base_url(self, episode: str) -> str:
         return f"{self.url}/sessions/{episode}/v1"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import ssl
 import sys
 import tempfile
@@ -92,8 +93,9 @@ class RouterProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
+        tail = self.log_tail()
         self.stop()
-        raise RuntimeError(f"router did not become ready: {self.log_tail()}")
+        raise RuntimeError(f"router did not become ready: {tail}")
 
     def log_tail(self) -> str:
         try:
@@ -146,6 +148,7 @@ class RouterProcess:
             self._channel.close()
         self.admin.close()
         process.stop(self.proc, grace_s=5)
+        shutil.rmtree(self._dir, ignore_errors=True)  # its config and log
 
     def __enter__(self) -> RouterProcess:
         return self

@@ -10,6 +10,7 @@ ejection is seen about as fast as the Riptide router sees it.
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -65,6 +66,7 @@ class SglangRouterProcess:
 
     def stop(self) -> None:
         process.stop(self.proc, grace_s=5)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> Self:
         return self
