@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.sandbox.providers.loop_process import LoopProcess
+
 _KILL_WAIT_S = 10.0
 
 
@@ -143,7 +145,7 @@ class SandboxRun:
     ) -> None:
         self._argv, self._uid, self._cap = argv, uid, max_output_bytes
         self._enter = list(enter)  # runs first, as the provider: e.g. joining a cgroup
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: LoopProcess | None = None
         self._status_r = -1
         self._status: dict[str, int] = {}
 
@@ -163,23 +165,17 @@ class SandboxRun:
                 argv = ["setpriv", f"--reuid={self._uid}", f"--regid={self._uid}",
                         "--clear-groups", *argv]
             argv = [*self._enter, *argv]
-            self._proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT if merge_stderr else asyncio.subprocess.PIPE,
-                pass_fds=(status_w,),
-                start_new_session=True,
-            )
+            self._proc = proc = LoopProcess(argv, stdin=stdin is not None,
+                                            merge_stderr=merge_stderr, pass_fds=(status_w,))
         except BaseException:
             os.close(self._status_r)
             raise
         finally:
             os.close(status_w)
         out, err = _HeadTail(self._cap), _HeadTail(self._cap)
-        readers = [asyncio.create_task(self._drain(self._proc.stdout, out))]
+        readers = [asyncio.create_task(proc.read_all(proc.stdout_fd, out.add))]
         if not merge_stderr:
-            readers.append(asyncio.create_task(self._drain(self._proc.stderr, err)))
+            readers.append(asyncio.create_task(proc.read_all(proc.stderr_fd, err.add)))
         timed_out = False
         try:
             await asyncio.wait_for(self._feed_and_wait(stdin), timeout_s)
@@ -190,6 +186,7 @@ class SandboxRun:
             await self.kill()
             raise
         finally:
+            proc.close_stdin()  # where the write never began
             await asyncio.gather(*readers, return_exceptions=True)
             self._status.update(_read_status(self._status_r))
             os.close(self._status_r)
@@ -208,22 +205,9 @@ class SandboxRun:
 
     async def _feed_and_wait(self, stdin: bytes | None) -> None:
         assert self._proc is not None
-        if stdin is not None and self._proc.stdin is not None:
-            try:
-                self._proc.stdin.write(stdin)
-                await self._proc.stdin.drain()
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-            finally:
-                self._proc.stdin.close()
+        if stdin is not None:
+            await self._proc.write_all(stdin)
         await self._proc.wait()
-
-    @staticmethod
-    async def _drain(stream: asyncio.StreamReader | None, sink: _HeadTail) -> None:
-        if stream is None:
-            return
-        while chunk := await stream.read(65536):
-            sink.add(chunk)
 
     async def kill(self) -> None:
         """SIGKILL the sandbox's pid 1 (the kernel then kills its whole pid namespace) and
@@ -245,7 +229,7 @@ class SandboxRun:
         else:
             _killpg(proc.pid)
         try:
-            await asyncio.wait_for(asyncio.shield(proc.wait()), _KILL_WAIT_S)
+            await asyncio.wait_for(proc.wait(), _KILL_WAIT_S)
         except TimeoutError:
             _killpg(proc.pid)
             await proc.wait()
