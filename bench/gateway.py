@@ -187,8 +187,8 @@ def main() -> None:
                    help="the simulated engine's time per call at concurrency 32")
     p.add_argument("--think-ms", type=float, default=100.0,
                    help="mean time a harness spends between calls at concurrency 32")
-    p.add_argument("--gateway-event-loop", choices=("asyncio", "uvloop"), default="asyncio",
-                   help="the sandbox service's event_loop (asyncio is its default)")
+    p.add_argument("--gateway-event-loop", choices=("asyncio", "uvloop"), default="uvloop",
+                   help="the sandbox service's event_loop (uvloop is its default)")
     p.add_argument("--transport", choices=("http", "grpc"), default="http",
                    help="how the gateway reaches the router: its HTTP front (where the "
                    "deployment serves one, as riptide up does) or gRPC's Router.Generate")

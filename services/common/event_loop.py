@@ -39,3 +39,12 @@ def run(main: Coroutine[Any, Any, _T], name: EventLoopName) -> _T:
         raise
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
+
+
+def running_loop_name() -> str:
+    """`uvloop` or `asyncio`: the loop this is called on (for admin state); "" off any loop."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return ""
+    return type(loop).__module__.partition(".")[0]

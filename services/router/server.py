@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from services.common.config import HttpTlsConfig
 from services.common.engine_client import EngineClient
 from services.common.errors import Unavailable
+from services.common.event_loop import running_loop_name
 from services.common.grpc_server import GuardedRegistrar
 from services.common.service import ServiceRuntime
 from services.router import metrics
@@ -143,7 +144,7 @@ class RouterRuntime(ServiceRuntime):
 
     def state(self) -> dict[str, Any]:
         state = self.router.state()
-        state["event_loop"] = type(asyncio.get_running_loop()).__module__.partition(".")[0]
+        state["event_loop"] = running_loop_name()
         if self.front is not None:
             state["http_port"] = self.front.port
         return state

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig, StrictModel
+from services.common.event_loop import EventLoopName
 from services.sandbox.providers.local import LocalProviderConfig
 
 
@@ -109,6 +110,9 @@ class SandboxConfig(ServiceConfig):
 
     grpc_port: int = Field(50053, ge=0, le=65535, description="gRPC port (0 picks a free one)")
     admin_port: int = Field(8053, ge=0, le=65535, description="admin REST port (0: a free one)")
+    event_loop: EventLoopName = Field(
+        "uvloop", description="uvloop (default): less CPU per call for the agent gateway's "
+        "hop (bench/gateway.py); asyncio: the standard library's")
     tasks_dir: str = Field("tasks", description="directory of tasks in terminal-bench-2 layout")
     provider: ProviderSection = Field(default_factory=LocalProviderConfig,
                                       description="which sandboxes run episodes")

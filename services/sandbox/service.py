@@ -20,6 +20,7 @@ from fastapi import APIRouter
 from services._proto.riptide.v1 import common_pb2, sandbox_pb2, sandbox_pb2_grpc
 from services.common.bounds import check_id
 from services.common.errors import Conflict, NotFound, Unavailable
+from services.common.event_loop import running_loop_name
 from services.common.grpc_requests import require
 from services.common.grpc_server import GuardedRegistrar
 from services.common.sampling_params import sampling_params
@@ -159,6 +160,7 @@ class SandboxService(ServiceRuntime):
             "creates_waiting": self.runner.creates.waiting,
             "provider_stats": self.provider.stats(),
             "harness": self.config.agent.harness,
+            "event_loop": running_loop_name(),
             **({"gateway": {"url": self.gateway.base_url("<episode>"),
                             "sessions": len(self.gateway.sessions),
                             **self.gateway.stats.snapshot()}} if self.gateway else {}),

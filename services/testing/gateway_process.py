@@ -36,7 +36,7 @@ class GatewayProcess(ChildServer):
     name = "gateway"
 
     def __init__(self, router_address: str, grpc_token: str | None, num_sessions: int,
-                 event_loop: str = "asyncio", router_http: str = "",
+                 event_loop: str = "uvloop", router_http: str = "",
                  start_timeout_s: float = 60.0) -> None:
         keys_file = Path(tempfile.mkdtemp(prefix="riptide-gateway-keys-")) / "keys.json"
         env = {**os.environ, "RIPTIDE_GRPC_TOKEN": grpc_token or ""}
@@ -82,8 +82,8 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--keys-file", required=True)
     p.add_argument("--ready-file", required=True)
-    p.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
-                   help="the sandbox service's [sandbox] event_loop (asyncio by default)")
+    p.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="uvloop",
+                   help="the sandbox service's [sandbox] event_loop (uvloop by default)")
     args = p.parse_args()
     event_loop.run(_serve(args), args.event_loop)
 

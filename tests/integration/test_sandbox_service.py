@@ -248,6 +248,7 @@ def test_caps_are_tunable_live_and_reported(services: dict[str, dict[str, object
     assert reply.status_code == 200, reply.text
     details = _admin(service, "/admin/state")["details"]
     assert (details["max_concurrent_episodes"], details["max_concurrent_creates"]) == (5, 2)
+    assert details["event_loop"] == "uvloop"  # the service's default
     bad = httpx.patch(f"{service['admin']}/admin/config", headers=headers, timeout=10,
                       json={"max_concurrent_creates": 0})
     assert bad.status_code == 400

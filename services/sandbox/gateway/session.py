@@ -139,10 +139,10 @@ class GatewaySession:
         self._completion_text = ""  # /v1/completions: text whose ids are the segment's
         self._lock = asyncio.Lock()
 
-
     def _routes_start(self) -> int | None:
         current = self.trace.current
         return None if current is None else current.routes_start
+
     def authorized(self, key: str) -> bool:
         return hmac.compare_digest(key.encode(), self.key.encode())
 
