@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,7 +43,7 @@ def _message(outcome: CallOutcome) -> dict[str, Any]:
 
 def chat_completion(outcome: CallOutcome, model: str) -> bytes:
     return orjson.dumps({
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+        "id": f"chatcmpl-{os.urandom(12).hex()}", "object": "chat.completion",
         "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": _message(outcome), "logprobs": None,
                      "finish_reason": _finish(outcome)}],
@@ -52,7 +52,7 @@ def chat_completion(outcome: CallOutcome, model: str) -> bytes:
 
 def text_completion(outcome: CallOutcome, model: str) -> bytes:
     return orjson.dumps({
-        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+        "id": f"cmpl-{os.urandom(12).hex()}", "object": "text_completion",
         "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "text": outcome.text, "logprobs": None,
                      "finish_reason": _finish(outcome)}],
@@ -62,7 +62,7 @@ def text_completion(outcome: CallOutcome, model: str) -> bytes:
 async def chat_chunks(outcome: CallOutcome, model: str, include_usage: bool
                       ) -> AsyncIterator[bytes]:
     """The answer as server-sent chat.completion.chunk events, then `[DONE]`."""
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+    base = {"id": f"chatcmpl-{os.urandom(12).hex()}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": model}
 
     def event(delta: dict[str, Any], finish: str | None, **more: Any) -> bytes:
@@ -85,7 +85,7 @@ async def chat_chunks(outcome: CallOutcome, model: str, include_usage: bool
 async def completion_chunks(outcome: CallOutcome, model: str, include_usage: bool
                             ) -> AsyncIterator[bytes]:
     """A plain completion as server-sent text_completion events, then `[DONE]`."""
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+    base = {"id": f"cmpl-{os.urandom(12).hex()}", "object": "text_completion",
             "created": int(time.time()), "model": model}
     yield b"data: " + orjson.dumps({**base, "choices": [
         {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": None}]}) + b"\n\n"
