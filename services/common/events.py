@@ -295,6 +295,14 @@ def _episode(entry_id: Any, fields: dict[Any, Any]) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def stream_id_before(unix_ms: int) -> str:
+    """The greatest stream id before millisecond `unix_ms`: a tail started from it reads every
+    entry added at or after that millisecond (Redis numbers an entry by the millisecond it was
+    added, so one added in that very millisecond is `<unix_ms>-0`, which a cursor of
+    `<unix_ms>-0` would skip)."""
+    return f"{unix_ms - 1}-{2**64 - 1}"
+
+
 def read_events(client: redis.Redis, run: str, since_id: str = "0-0",
                 count: int = 10_000) -> list[tuple[str, Event]]:
     """Up to `count` events after entry `since_id` (all from the start with "0-0")."""

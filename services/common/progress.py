@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from services.common.config import RedisConfig
-from services.common.events import Event, EventTail
+from services.common.events import Event, EventTail, stream_id_before
 
 if TYPE_CHECKING:
     from services.common.tracking.exporter import MetricsExporter
@@ -79,7 +79,7 @@ class StepProgress:
         self._target = target_step
         self.exporter = exporter
         # Stream ids begin with their unix ms: steps of an earlier (resumed) run are skipped.
-        self._tail = EventTail(redis, run, since_id=f"{int(time.time() * 1000)}-0")
+        self._tail = EventTail(redis, run, since_id=stream_id_before(int(time.time() * 1000)))
         self._load: Event | None = None
         self._first: tuple[float, int] | None = None  # (end, step) of the first step seen
 
