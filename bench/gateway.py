@@ -7,6 +7,9 @@ and the gateway in a process of its own with its sessions open
 
 - `direct`: POST /generate to the engine with the call's token ids;
 - `http_front`: the same through the router's HTTP front;
+- `proxy_hop`: the same through a pass-through proxy in front of the router's HTTP front
+  (services/testing/proxy_hop_process.py: a process of its own on the gateway's HTTP server,
+  client and event loop, doing no work): what one more hop costs on this machine;
 - `gateway`: POST /sessions/<episode>/v1/chat/completions, as a harness calls it: a growing
   conversation (system prompt, task, then each reply and a short observation; a fresh one
   every `--turns` calls), rendered with the chat template and matched against the episode's
@@ -30,7 +33,10 @@ Three measurements:
 Per path: p50 and p99 latency, the overhead over the direct call, and the proxies' own CPU
 per call; per round, the gateway's p50 minus the front's, whose mean and 95% interval judge
 the target (the gateway's overhead at most the front's plus 1 ms: `met` when the interval's
-upper end is at most 1 ms, at concurrency 1 and 32). The last line printed is the JSON summary.
+upper end is at most 1 ms, at concurrency 1 and 32). The same paired differences split it:
+`proxy_hop_vs_http_front` is what being a separate process costs (any gateway that is a hop
+of its own pays it), `gateway_vs_proxy_hop` the gateway's own work (the chat template, the
+token matching, the OpenAI shapes). The last line printed is the JSON summary.
 
     python bench/gateway.py [--calls 1600] [--rounds 8] [--turns 8] [--engine-ms 100] \
         [--think-ms 100] [--gateway-event-loop asyncio|uvloop] [--transport http|grpc]
@@ -55,6 +61,7 @@ import orjson  # noqa: E402
 from services.common.tiny_model import build_tokenizer  # noqa: E402
 from services.testing.gateway_process import GatewayProcess  # noqa: E402
 from services.testing.latency import paired_difference, percentile, process_cpu_s  # noqa: E402
+from services.testing.proxy_hop_process import ProxyHopProcess  # noqa: E402
 from services.testing.router_process import RouterProcess  # noqa: E402
 from services.testing.sim_engine_process import SimEngineProcess  # noqa: E402
 
@@ -111,14 +118,18 @@ async def _round(paths: dict[str, Any], concurrency: int, calls: int, turns: int
 
 
 async def measure(engine: SimEngineProcess, router: RouterProcess, gateway: GatewayProcess,
-                  concurrency: int, think_s: float, args: argparse.Namespace) -> dict[str, Any]:
+                  proxy: ProxyHopProcess, concurrency: int, think_s: float,
+                  args: argparse.Namespace) -> dict[str, Any]:
     lengths = prompt_lengths(args.turns)
     params = {"max_new_tokens": 1, "temperature": 0.0}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
 
-        async def generate(url: str, w: int, turn: int) -> str:
+        async def generate(url: str, w: int, turn: int, key_in_body: bool = False) -> str:
             ids = [(w * 131 + turn * 7 + k) % 250 + 3 for k in range(lengths[turn])]
-            body = orjson.dumps({"input_ids": ids, "sampling_params": params})
+            request: dict[str, Any] = {"input_ids": ids, "sampling_params": params}
+            if key_in_body:  # the proxy sends bodies on, not headers
+                request["routing_key"] = f"w-{w}"
+            body = orjson.dumps(request)
             async with http.post(f"{url}/generate", data=body, headers={
                     "content-type": "application/json",
                     "X-SMG-Routing-Key": f"w-{w}"}) as reply:
@@ -132,6 +143,9 @@ async def measure(engine: SimEngineProcess, router: RouterProcess, gateway: Gate
         async def front(w: int, turn: int, replies: list[str]) -> str:
             return await generate(router.http_url, w, turn)
 
+        async def hop(w: int, turn: int, replies: list[str]) -> str:
+            return await generate(proxy.url, w, turn, key_in_body=True)
+
         async def chat(w: int, turn: int, replies: list[str]) -> str:
             episode = f"bench-{w}"
             body = orjson.dumps({"model": "riptide", "max_tokens": 1,
@@ -144,37 +158,41 @@ async def measure(engine: SimEngineProcess, router: RouterProcess, gateway: Gate
                 answer = orjson.loads(await reply.read())
             return str(answer["choices"][0]["message"]["content"] or "")
 
-        paths = {"direct": direct, "http_front": front, "gateway": chat}
+        paths = {"direct": direct, "http_front": front, "proxy_hop": hop, "gateway": chat}
         await _round(paths, concurrency, concurrency * 4, args.turns)  # warm connections
         rounds: dict[str, list[list[float]]] = {name: [] for name in paths}
-        cpu = {"router": 0.0, "gateway": 0.0}
+        procs = {"router": router.proc.pid, "gateway": gateway.proc.pid,
+                 "proxy_hop": proxy.proc.pid}
+        cpu = dict.fromkeys(procs, 0.0)
         wall: dict[str, float] = {}
         for index in range(args.rounds):
-            before = {"router": process_cpu_s(router.proc.pid),
-                      "gateway": process_cpu_s(gateway.proc.pid)}
+            before = {name: process_cpu_s(pid) for name, pid in procs.items()}
             for name, latencies in (await _round(paths, concurrency, args.calls // args.rounds,
                                                  args.turns, wall, think_s, index)).items():
                 rounds[name].append(latencies)
-            for proxy in cpu:
-                pid = router.proc.pid if proxy == "router" else gateway.proc.pid
-                cpu[proxy] += process_cpu_s(pid) - before[proxy]
+            for name, pid in procs.items():
+                cpu[name] += process_cpu_s(pid) - before[name]
     flat = {name: [x for r in runs for x in r] for name, runs in rounds.items()}
     direct_p50, direct_p99 = percentile(flat["direct"], 0.5), percentile(flat["direct"], 0.99)
     out: dict[str, Any] = {"direct_ms_p50": round(direct_p50, 3),
                            "direct_ms_p99": round(direct_p99, 3)}
-    for name in ("direct", "http_front", "gateway"):
+    for name in paths:
         out[f"{name}_calls_per_s"] = round(len(flat[name]) / wall[name], 1)
-    for name in ("http_front", "gateway"):
+    for name in ("http_front", "proxy_hop", "gateway"):
         out[f"{name}_overhead_ms_p50"] = round(percentile(flat[name], 0.5) - direct_p50, 3)
         out[f"{name}_overhead_ms_p99"] = round(percentile(flat[name], 0.99) - direct_p99, 3)
     calls = sum(map(len, rounds["gateway"]))
     # The gateway's process does its own work and waits on the router's gRPC: both count.
     out["gateway_cpu_us_per_call"] = round(cpu["gateway"] / calls * 1e6, 1)
-    out["router_cpu_us_per_call_all_paths"] = round(
-        cpu["router"] / (calls + sum(map(len, rounds["http_front"]))) * 1e6, 1)
+    out["proxy_hop_cpu_us_per_call"] = round(
+        cpu["proxy_hop"] / sum(map(len, rounds["proxy_hop"])) * 1e6, 1)
+    out["router_cpu_us_per_call_all_paths"] = round(cpu["router"] / sum(
+        sum(map(len, rounds[name])) for name in ("http_front", "proxy_hop", "gateway")) * 1e6, 1)
     versus = paired_difference(rounds["gateway"], rounds["http_front"])
     out["gateway_vs_http_front"] = {**versus, "target_ms": 1.0,
                                     "met": versus["ci95_ms"][1] <= 1.0}
+    out["proxy_hop_vs_http_front"] = paired_difference(rounds["proxy_hop"], rounds["http_front"])
+    out["gateway_vs_proxy_hop"] = paired_difference(rounds["gateway"], rounds["proxy_hop"])
     return out
 
 
@@ -200,20 +218,22 @@ def main() -> None:
     try:
         with RouterProcess(engine_urls=[engine.url], http_front=True, grpc_token=token) as router, \
                 GatewayProcess(router.address, token, 32, args.gateway_event_loop,
-                               router.http_url if args.transport == "http" else "") as gateway:
+                               router.http_url if args.transport == "http" else "") as gateway, \
+                ProxyHopProcess(router.http_url, args.gateway_event_loop) as proxy:
             summary: dict[str, Any] = {}
             for label, concurrency, engine_ms, think_ms in (
                     ("concurrency_1", 1, 0.0, 0.0),
                     ("concurrency_32", 32, args.engine_ms, args.think_ms),
                     ("capacity_32", 32, 0.0, 0.0)):
                 engine.control(decode_s_per_token=engine_ms / 1000)  # one token per call
-                result = asyncio.run(measure(engine, router, gateway, concurrency,
+                result = asyncio.run(measure(engine, router, gateway, proxy, concurrency,
                                              think_ms / 1000, args))
                 summary[label] = {"engine_ms": engine_ms, "think_ms": think_ms, **result}
                 print(f"{label}: {summary[label]}", flush=True)
     finally:
         engine.stop()
-    summary["capacity_32"].pop("gateway_vs_http_front")  # saturated cores: not judged
+    for versus in ("gateway_vs_http_front", "proxy_hop_vs_http_front", "gateway_vs_proxy_hop"):
+        summary["capacity_32"].pop(versus)  # saturated cores: not judged
     summary["gateway_event_loop"] = args.gateway_event_loop
     summary["transport"] = args.transport
     summary["met"] = all(summary[f"concurrency_{c}"]["gateway_vs_http_front"]["met"]

@@ -7,7 +7,9 @@ and stop or kill exactly that group.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -71,3 +73,12 @@ class ChildServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+async def serve_until_terminated(ready_file: str, port: int) -> None:
+    """The child's side: say its port (the parent waits for the file), then serve until
+    SIGTERM."""
+    Path(ready_file).write_text(str(port))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()

@@ -10,11 +10,9 @@ Writes {episode: key} to the keys file, then its port to the ready file; serves 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -27,7 +25,7 @@ from services.sandbox.engine_model_client import EngineModelClient
 from services.sandbox.gateway.server import AgentGateway
 from services.sandbox.gateway.session import SessionLimits
 from services.sandbox.model_client import ModelClient, RouterModelClient
-from services.testing.child_server import ChildServer
+from services.testing.child_server import ChildServer, serve_until_terminated
 
 
 class GatewayProcess(ChildServer):
@@ -66,10 +64,7 @@ async def _serve(args: argparse.Namespace) -> None:
     keys = {f"bench-{i}": gateway.open(f"bench-{i}", sampling, limits).key
             for i in range(args.sessions)}
     Path(args.keys_file).write_text(json.dumps(keys))
-    Path(args.ready_file).write_text(str(gateway.server.port))
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    await stop.wait()
+    await serve_until_terminated(args.ready_file, gateway.server.port)
     await gateway.stop()
     await model.close()
 
