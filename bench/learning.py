@@ -42,7 +42,8 @@ Usage: python bench/learning.py [--device cpu|cuda] [--steps 40] [--budget-min 3
                                 [--warm-start-steps 0]
 Last line: {"steps": n, "checkpoint_step": n, "per_step_reward": [...], "heldout_initial": x,
             "heldout_final": y,
-            "eval_by_weight_version": {...}, "warm_start": {...} | null, "wall_s": ...}
+            "eval_by_weight_version": {...}, "eval_unfinished": {...},
+            "warm_start": {...} | null, "wall_s": ...}
 """
 
 from __future__ import annotations
@@ -163,6 +164,21 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
                         {"mode": "colocated", "bucket_mb": None}  # the mode's own (2 GiB)
                         if args.device == "cuda" else {})}},
     })
+
+
+def evaluations_by_version(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The rollout's evaluations, read when the RL budget ends: `eval_by_weight_version` holds
+    the mean success of each finished one; one still running (its mean is over the tasks done
+    so far, so it would read as a score it is not) goes to `eval_unfinished` as its count of
+    episodes done and expected."""
+    finished, unfinished = {}, {}
+    for version, evaluation in summary.items():
+        done, expected = evaluation.get("done"), evaluation.get("expected")
+        if done is not None and done == expected:
+            finished[version] = evaluation.get("mean_success")
+        else:
+            unfinished[version] = f"{done}/{expected} episodes"
+    return {"eval_by_weight_version": finished, "eval_unfinished": unfinished}
 
 
 def _details(config: Any, name: str) -> dict[str, Any]:
@@ -446,8 +462,7 @@ def main() -> None:
         "per_step_reward": [round(float(steps[k]["reward_mean"]), 4) for k in sorted(steps)],
         "heldout_initial": initial["mean_success"],
         "heldout_final": final.get("mean_success"),
-        "eval_by_weight_version": {v: e.get("mean_success")
-                                   for v, e in (rollout.get("eval") or {}).items()},
+        **evaluations_by_version(rollout.get("eval") or {}),
         "groups_dropped": rollout.get("dropped_groups"),
         "mismatch_kl_last_step": last_step.get("mismatch_kl"),
         "trainer_idle_fraction": round(trainer.get("total_wait_s", 0.0) / rl_wall_s, 3),

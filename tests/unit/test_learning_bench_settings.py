@@ -109,3 +109,13 @@ def test_engine_figures_are_the_interval_s_deltas() -> None:
     later = learning.engine_figures({}, {"sglang:num_requests_total": 7.0}, 1.0)
     assert later["requests"] == 7.0
     assert learning.engine_figures({}, {}, 10.0)["tokens_per_s"] is None
+
+
+def test_an_evaluation_still_running_is_not_reported_as_a_score() -> None:
+    # Read when the RL budget ended: version 20's first task was done (1.0), nine were not.
+    summary = {"0": {"mean_success": 0.1, "done": 10, "expected": 10},
+               "10": {"mean_success": 0.2, "done": 10, "expected": 10},
+               "20": {"mean_success": 1.0, "done": 1, "expected": 10}}
+    assert learning.evaluations_by_version(summary) == {
+        "eval_by_weight_version": {"0": 0.1, "10": 0.2},
+        "eval_unfinished": {"20": "1/10 episodes"}}
