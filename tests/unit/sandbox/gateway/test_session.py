@@ -143,6 +143,53 @@ def test_caps_are_refused_before_any_engine_call() -> None:
     assert out_of_time.value.code == "episode_wall_time_exceeded"
 
 
+class SlowModel(RecordingModel):
+    """Answers after `delay_s`, as an engine generating a long reply."""
+
+    def __init__(self, delay_s: float, replies: list[list[int]]) -> None:
+        super().__init__(replies)
+        self.delay_s = delay_s
+
+    async def generate(self, session_key: str, input_ids: list[int],
+                       sampling: common_pb2.SamplingParams,
+                       routed_experts_start: int | None = None) -> GenerateResult:
+        await asyncio.sleep(self.delay_s)
+        return await super().generate(session_key, input_ids, sampling, routed_experts_start)
+
+
+def test_a_call_still_generating_at_the_deadline_is_refused_as_out_of_wall_time() -> None:
+    s = session(SlowModel(30.0, [[ord("a")]]), deadline=time.monotonic() + 0.3)
+    started = time.monotonic()
+    with pytest.raises(GatewayLimit) as late:
+        chat(s, [{"role": "user", "content": "hi"}])
+    assert late.value.http_status == 408 and late.value.code == "episode_wall_time_exceeded"
+    assert 0.25 < time.monotonic() - started < 5.0
+    assert s.limit_hit == "wall_time" and s.stats.refused == {"episode_wall_time_exceeded": 1}
+
+
+def test_calls_before_the_deadline_are_answered_and_a_cancel_from_outside_stays_a_cancel(
+        ) -> None:
+    s = session(SlowModel(0.05, [[ord("a"), EOT], [ord("b"), EOT], [ord("c")]]),
+                deadline=time.monotonic() + 0.4)
+
+    async def run() -> None:
+        history = [{"role": "user", "content": "hi"}]
+        first = await s.chat([dict(m) for m in history], None, {})
+        history += [{"role": "assistant", "content": first.text},
+                    {"role": "user", "content": "go"}]
+        await s.chat([dict(m) for m in history], None, {})
+        s.model.delay_s = 30.0  # type: ignore[attr-defined]
+        call = asyncio.create_task(s.chat([{"role": "user", "content": "again"}], None, {}))
+        await asyncio.sleep(0.1)
+        call.cancel()  # the harness hung up: not the episode's wall time
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0.4)  # past the deadline, with no call running
+
+    asyncio.run(run())
+    assert s.limit_hit == "" and not s.stats.refused and s.num_calls == 3
+
+
 def test_an_aborted_call_marks_the_episode() -> None:
     s = session(RecordingModel([[ord("a")]], finish="abort"))
     with pytest.raises(Unavailable):
