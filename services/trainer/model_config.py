@@ -32,7 +32,9 @@ class ModelConfig(StrictModel):
         description="run the output layer inside the log-prob chunks, recomputing each chunk's"
         " logits in the backward: no [tokens, vocab] logits kept, one more output-layer matmul"
         " a micro-batch (about 6% of a 0.5B step on an H200); auto: on where the model lives"
-        " in host RAM, off on GPUs; pipeline and context parallel always keep whole logits",
+        " in host RAM, and on GPUs where a micro-batch's whole logits would pass 4 GiB (a"
+        " 65,536-token row of a 154,880-word vocabulary: 19 GiB, and as much for their"
+        " gradient), off otherwise; pipeline and context parallel always keep whole logits",
     )
     compile_layers: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -33,6 +33,10 @@ from services.trainer.optim.contiguous_grad import contiguous_grad
 #: Tokens per chunk: a chunk's logits are chunk x V/TP in the weight's dtype (bf16 at a 150k
 #: vocabulary: 0.6 GB), plus an fp32 copy on the CPU path.
 DEFAULT_CHUNK_TOKENS = 2048
+#: Whole logits of a micro-batch past this size make `auto_fused` fuse on a GPU too: a
+#: 65,536-token row of a 154,880-word vocabulary is 19 GiB of bf16 logits, and as much again
+#: for their gradient.
+LARGE_LOGITS_BYTES = 4 * 2**30
 #: Rows per fp32 pass of the torch path (the CPU): its fp32 temporaries are a few
 #: [rows, V/TP] tensors, live at the backward's start, when activations peak.
 TORCH_ROWS = 256
@@ -113,6 +117,24 @@ def hidden_logprobs(
 def on_cuda(model: Any) -> bool:
     """Whether `model`'s parameters live on a GPU."""
     return any(p.is_cuda for p in model.parameters())
+
+
+def logits_bytes(model: Any, tokens: int) -> int:
+    """The size of `tokens` tokens' whole logits from `model`'s output layer (this rank's
+    vocabulary shard, the weight's dtype)."""
+    layer = getattr(model, "output_layer", None)
+    weight = getattr(layer, "weight", None)
+    if weight is None and hasattr(model, "shared_embedding_or_output_weight"):
+        weight = model.shared_embedding_or_output_weight()  # tied to the embedding
+    return 0 if weight is None else tokens * weight.size(0) * weight.element_size()
+
+
+def auto_fused(model: Any, tokens: int) -> bool:
+    """`fused_output_logprobs = "auto"`: fused where the model lives in host RAM (host memory
+    is what runs short there), and on a GPU where the whole logits of the micro-batch would
+    pass LARGE_LOGITS_BYTES; elsewhere on a GPU the logits are kept (a recomputed chunk costs
+    more than it saves)."""
+    return not on_cuda(model) or logits_bytes(model, tokens) > LARGE_LOGITS_BYTES
 
 
 def fusable(model: Any) -> bool:

@@ -158,12 +158,12 @@ def token_logprobs(
     so it never affects the real tokens under causal attention), or of one packed row [1, T]
     with boundaries `cu_seqlens`. With `fused` (and a model whose output layer allows it) the
     output layer runs inside the log-prob chunks (fused_output.py): no [tokens, vocab]
-    logits are kept for the backward. None: fused where the model is off the GPU (host RAM
-    is what runs short there; on a GPU the recomputed chunk costs more than it saves)."""
+    logits are kept for the backward. None: `fused_output.auto_fused` (off the GPU, or where
+    the whole logits would be large)."""
     from services.trainer.objective import fused_output
 
     if fused is None:
-        fused = not fused_output.on_cuda(model)
+        fused = fused_output.auto_fused(model, input_ids.numel())
     if not (fused and fused_output.fusable(model)):
         logits = forward_logits(model, input_ids, cu_seqlens, prefix_of)
         return token_logprobs_from_logits(logits, input_ids, temperature, cu_seqlens)

@@ -96,3 +96,22 @@ def test_auto_fuses_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     token_logprobs(model, ids)  # auto, on the CPU: fused
     token_logprobs(model, ids, fused=False)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_auto_fuses_on_a_gpu_where_whole_logits_would_be_large(
+    tied: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.trainer.objective import fused_output
+
+    hf = random_hf_model("qwen2", tie_word_embeddings=tied)
+    model = build_gpt_model(ModelShape.from_hf(hf.config))
+    vocab = hf.config.vocab_size
+    # 4 bytes a float32 logit: 10 tokens' whole logits are 40 x vocab bytes
+    assert fused_output.logits_bytes(model, 10) == 10 * vocab * 4
+    monkeypatch.setattr(fused_output, "on_cuda", lambda _model: True)
+    monkeypatch.setattr(fused_output, "LARGE_LOGITS_BYTES", 40 * vocab)
+    assert not fused_output.auto_fused(model, 10)  # at the limit: logits kept on a GPU
+    assert fused_output.auto_fused(model, 11)  # past it: fused
+    monkeypatch.setattr(fused_output, "on_cuda", lambda _model: False)
+    assert fused_output.auto_fused(model, 1)  # host RAM: always fused
