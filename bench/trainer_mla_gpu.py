@@ -22,11 +22,13 @@ lower bound).
 
 `--attention-only` times the sparse attention kernels alone at `--seq` tokens (random
 distinct causal picks, the worst case for locality), forward and backward for each backward
-variant, and the DSA indexer's chunked top-k at two score budgets.
+variant (`split-pairs`: the split one adding dKV in vector pairs), the split one's
+two kernels apart, and the DSA indexer (fused Triton scores against the float32 torch form).
 
     python bench/trainer_mla_gpu.py [--cases row8192,row32768,row65536] [--sides trainer,hf]
         [--moe-layers 2] [--experts 16] [--steps 2]
-    python bench/trainer_mla_gpu.py --attention-only [--seq 65536] [--backward split,fused]
+    python bench/trainer_mla_gpu.py --attention-only [--seq 65536]
+        [--backward split,split-pairs,fused]
 The last line printed is the JSON summary.
 """
 
@@ -130,7 +132,9 @@ def attention_only(seq: int, variants: list[str]) -> dict[str, Any]:
     result["indexer"] = indexer_timing(seq)
     print(json.dumps(result), flush=True)
     for variant in variants:
-        kernels.BACKWARD = variant
+        # split-pairs: the split backward adding dKV in vector pairs (VECTOR_ATOMICS)
+        kernels.BACKWARD = variant.removesuffix("-pairs")
+        kernels.VECTOR_ATOMICS = variant.endswith("-pairs")
         try:
             bwd_s = _time(lambda: kernels.backward(grad, q, kv, picks, positions, out, lse,
                                                    scale))
@@ -144,6 +148,9 @@ def attention_only(seq: int, variants: list[str]) -> dict[str, Any]:
             "fwd_bwd_ms": round(total * 1e3, 2),
             "attention_mfu": round((fwd_flops + bwd_flops) / total / PEAK_FLOPS, 4),
         }
+    kernels.VECTOR_ATOMICS = False
+    result["split_parts_ms"] = split_backward_parts(q, kv, picks, positions, out, lse, grad,
+                                                    scale)
     result["configs"] = {name: str(getattr(k, "best_config", None)) for name, k in
                          (("forward", kernels._forward_kernel), ("dq", kernels._backward_kernel),
                           ("dkv", kernels._dkv_kernel))}  # fmt: skip
@@ -151,11 +158,47 @@ def attention_only(seq: int, variants: list[str]) -> dict[str, Any]:
     return result
 
 
+def split_backward_parts(q: Any, kv: Any, picks: Any, positions: Any, out: Any, lse: Any,
+                         grad: Any, scale: float) -> dict[str, float]:
+    """The split backward's kernels timed apart (ms): dQ (scores and dP recomputed per head
+    block), and dKV (all heads of a query, float32 atomics), each with the FLOPs it does."""
+    import torch
+    import triton
+
+    from services.trainer.attention import sparse_mla_triton as kernels
+
+    b, sq, h, _ = q.shape
+    delta = (grad.float() * out.float()).sum(-1).contiguous()
+    grad_q = torch.empty_like(q)
+    grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    idx, pos = picks.to(torch.int32).contiguous(), positions.to(torch.int32).contiguous()
+    grid = lambda meta: (sq, b, triton.cdiv(h, meta["BLOCK_H"]))  # noqa: E731
+
+    def dq() -> None:
+        kernels._backward_kernel[grid](q, kv, idx, pos, grad, lse, delta, grad_q, grad_kv,
+                                       scale, kv.size(1), h, idx.size(-1), D_V=LATENT, D_R=ROPE,
+                                       WITH_DKV=False)
+
+    def dkv() -> None:
+        kernels._dkv_kernel[(sq, b)](q, kv, idx, pos, grad, lse, delta, grad_kv, scale,
+                                     kv.size(1), h, idx.size(-1), D_V=LATENT, D_R=ROPE,
+                                     HEADS=max(16, triton.next_power_of_2(h)),
+                                     PAIRS=kernels.vector_pairs(q))
+
+    pairs = sparse_pairs(sq)
+    dq_s, dkv_s = _time(dq), _time(dkv)
+    return {"dq_ms": round(dq_s * 1e3, 2), "dkv_ms": round(dkv_s * 1e3, 2),
+            "dq_tflops": round(2 * pairs * h * (576 + 512 + 576) / dq_s / 1e12, 1),
+            "dkv_tflops": round(2 * pairs * h * (576 + 512 + 576 + 512) / dkv_s / 1e12, 1)}
+
+
 def indexer_timing(seq: int) -> dict[str, Any]:
-    """The frozen DSA indexer's top-k of a `seq`-token row at two score budgets (seconds)."""
+    """The frozen DSA indexer's top-k of a `seq`-token row (seconds): through the fused Triton
+    scores (the default on a GPU, `fused_s`; of which the scores alone, `fused_scores_s`) and
+    through the torch form in float32 (`torch_s`), with the share of picks the two agree on."""
     import torch
 
-    from services.trainer.attention import sparse_attention
+    from services.trainer.attention import dsa_index_triton, sparse_attention
     from services.trainer.model.model import ModelShape
 
     shape = ModelShape.from_hf(glm_slice_config(1, 8))
@@ -165,13 +208,34 @@ def indexer_timing(seq: int) -> dict[str, Any]:
     hidden = torch.randn(seq, 1, 6144, device="cuda", dtype=torch.bfloat16)
     q_latent = torch.randn(seq, 1, 2048, device="cuda", dtype=torch.bfloat16)
     positions = torch.arange(seq, device="cuda")
-    out = {}
-    default = sparse_attention._SCORE_BUDGET
-    for budget in sorted({default, 1 << 30}):
-        sparse_attention._SCORE_BUDGET = budget
-        secs = _time(lambda: indexer(hidden, q_latent, positions), repeat=1)
-        out[f"budget_{budget}_s"] = round(secs, 3)
-    sparse_attention._SCORE_BUDGET = default
+    out: dict[str, Any] = {}
+    fused = indexer(hidden, q_latent, positions)
+    out["fused_s"] = round(_time(lambda: indexer(hidden, q_latent, positions)), 4)
+    q = torch.randn(1, seq, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, seq, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1, seq, 32, device="cuda")
+    chunk = sparse_attention._SCORE_BUDGET // seq
+
+    def scores_only() -> None:
+        for start in range(0, seq, chunk):
+            dsa_index_triton.index_scores(q[:, start:start + chunk], k, w,
+                                          positions[start:start + chunk], 128**-0.5)
+
+    out["fused_scores_s"] = round(_time(scores_only), 4)
+    supports = dsa_index_triton.supports
+    dsa_index_triton.supports = lambda _q: False  # the torch form, as before the kernel
+    try:
+        reference = indexer(hidden, q_latent, positions)
+        out["torch_s"] = round(_time(lambda: indexer(hidden, q_latent, positions), repeat=1), 3)
+    finally:
+        dsa_index_triton.supports = supports
+    agree = 0
+    for start in range(0, seq, 4096):
+        picked = [torch.zeros(min(4096, seq - start), seq, dtype=torch.bool, device="cuda")
+                  .scatter_(-1, x[0, start:start + 4096], True) for x in (fused, reference)]
+        agree += int((picked[0] & picked[1]).sum())
+    out["picks_agree"] = round(agree / reference.numel(), 6)
+    out["config"] = str(getattr(dsa_index_triton._index_kernel, "best_config", None))
     return out
 
 
@@ -196,7 +260,22 @@ def _hf_model(config: Any) -> Any:
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
-def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int) -> dict[str, Any]:
+def profile_top(step: Any, count: int = 15) -> list[list[Any]]:
+    """One more step under torch.profiler: its `count` costliest GPU kernels, as [name, ms
+    in all calls, calls]."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [[e.key[:80], round(e.device_time_total / 1e3, 2), e.count] for e in events[:count]]
+
+
+def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int,
+             profile: bool = False) -> dict[str, Any]:
     import torch
 
     from services.trainer.objective.loss import LossSettings, policy_loss
@@ -268,7 +347,8 @@ def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int) -> 
     return {"step_s": round(median, 3), "tokens_per_s": round(seq / median, 1),
             "attention_mfu_of_step": round(layers * (fwd + bwd) / median / PEAK_FLOPS, 4),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "recompute": recompute, "params": params, "times_s": [round(t, 3) for t in times]}
+            "recompute": recompute, "params": params, "times_s": [round(t, 3) for t in times],
+            **({"profile_top_ms": profile_top(step)} if profile else {})}
 
 
 def _subprocess(args: list[str], timeout_s: float) -> dict[str, Any]:
@@ -298,6 +378,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--profile", action="store_true",
+                        help="each side's costliest GPU kernels over one more step")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.attention_only:
@@ -305,7 +387,7 @@ def main() -> None:
         return
     if args.side:
         print(json.dumps(run_side(args.side, args.seq, args.moe_layers, args.experts,
-                                  args.steps)))
+                                  args.steps, args.profile)))
         return
     results: dict[str, Any] = {"moe_layers": args.moe_layers, "experts": args.experts,
                                "steps": args.steps}
@@ -315,7 +397,8 @@ def main() -> None:
         for side in args.sides.split(","):
             entry[side] = _subprocess(["--side", side, "--seq", str(seq), "--moe-layers",
                                        str(args.moe_layers), "--experts", str(args.experts),
-                                       "--steps", str(args.steps)], args.timeout_s)
+                                       "--steps", str(args.steps),
+                                       *(["--profile"] if args.profile else [])], args.timeout_s)
             print(case, side, json.dumps(entry[side]), flush=True)
         mine, theirs = entry.get("trainer", {}), entry.get("hf", {})
         if "tokens_per_s" in mine and "tokens_per_s" in theirs:

@@ -40,6 +40,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from torch import Tensor
 
 from services.common.errors import ConfigError
+from services.trainer.attention import dsa_index_triton
 from services.trainer.attention.context_parallel import gather_sequence, gathered_positions
 from services.trainer.attention.mla_attention import AbsorbedKV, MLACoreAttention, query_positions
 from services.trainer.model.model_mla import MLAShape
@@ -112,20 +113,28 @@ class DSAIndexer(torch.nn.Module):
             k = k[:, torch.argsort(gathered_positions(num_keys, size, k.device))]
         # In float32, as transformers keeps weights_proj (_keep_in_fp32_modules).
         weights = F.linear(x.float(), self.linear_weights_proj.weight.float()) * self.heads**-0.5
-        k_t = k.transpose(-1, -2).float().unsqueeze(1)  # [b, 1, d, T]
         topk = min(self.index_topk, num_keys)
-        keys = torch.arange(num_keys, device=x.device)
-        chunk = max(1, _SCORE_BUDGET // (b * self.heads * num_keys))
+        fused = dsa_index_triton.supports(q)
+        per_query = b * num_keys * (1 if fused else self.heads)  # float32 scores a query holds
+        chunk = max(1, _SCORE_BUDGET // per_query)
         out = []
         for start in range(0, s, chunk):
             end = min(s, start + chunk)
-            scores = torch.matmul(q[:, start:end].float(), k_t) * self.head_dim**-0.5
-            scores = F.relu(scores)  # [b, c, heads, T]
-            index = torch.matmul(weights[:, start:end].unsqueeze(-2), scores).squeeze(-2)
-            future = keys[None, :] > positions[start:end, None]
-            index = index.masked_fill(future, float("-inf"))
-            out.append(index.topk(topk, dim=-1).indices)
+            score = dsa_index_triton.index_scores if fused else _index_scores
+            index = score(q[:, start:end], k, weights[:, start:end],
+                          positions[start:end], self.head_dim**-0.5)
+            out.append(index.topk(topk, dim=-1, sorted=False).indices)
         return torch.cat(out, dim=1)
+
+
+def _index_scores(q: Tensor, k: Tensor, weights: Tensor, positions: Tensor, scale: float
+                  ) -> Tensor:
+    """The torch form of the index scores (dsa_index_triton.index_scores' contract), in float32
+    as Hugging Face computes them: [b, c, heads, T] scores, relu, the weighted sum over heads."""
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale)
+    index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [b, c, T]
+    keys = torch.arange(k.size(1), device=k.device)
+    return index.masked_fill(keys[None, :] > positions[:, None], float("-inf"))
 
 
 @dataclass

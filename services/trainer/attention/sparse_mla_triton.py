@@ -11,7 +11,12 @@ a float32 dKV by atomic adds (the keys a query picks are scattered over the row;
 V3.2's own sparse-MLA backward adds them the same way). `BACKWARD = "split"` adds them from a
 second kernel whose program holds one query with ALL its heads (the scores over column
 chunks, so nothing [heads x v] stays in registers): each key's gradient is added once per
-query rather than once per head block; "fused" adds them from the dQ loop.
+query rather than once per head block; "fused" adds them from the dQ loop. With
+`VECTOR_ATOMICS` the split kernel adds pairs of neighbouring float32 values with one vector
+atomic (`red...add.v2.f32`, Hopper and later; Triton's own atomic_add issues one instruction
+per value), as DeepSeek's kernel adds quads, since the atomics seem to bound that kernel.
+It compiles (ptxas, sm_90, Triton 3.6 and 3.9) but has not run on a GPU yet, so it is off
+until the CUDA test and bench/trainer_mla_gpu.py's `split-pairs` variant have.
 Importing this module needs `triton`; `available()` says whether it is there.
 """
 
@@ -156,6 +161,39 @@ if triton is not None:
                  mask=head_ok[:, None])
 
 
+    @triton.jit
+    def _add_pairs(ptr, value):  # type: ignore[no-untyped-def]
+        """dst[ptr] += value, two neighbouring values a vector atomic where their addresses
+        are consecutive and 8-byte aligned (the tensor-core accumulator's layout holds column
+        pairs in one thread), else one atomic each."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .pred pair;
+            .reg .b64 next, low;
+            add.s64 next, $2, 4;
+            and.b64 low, $2, 7;
+            setp.eq.s64 pair, low, 0;
+            setp.eq.and.s64 pair, next, $3, pair;
+            @pair red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};
+            @!pair red.relaxed.gpu.global.add.f32 [$2], $4;
+            @!pair red.relaxed.gpu.global.add.f32 [$3], $5;
+            mov.b32 $0, 0;
+            mov.b32 $1, 0;
+            }""",
+            # the address and the value's bits as integers: older Triton refuses to broadcast
+            # a pointer with a float among an inline asm's arguments
+            "=r,=r,l,l,r,r", [ptr.to(tl.int64), value.to(tl.int32, bitcast=True)],
+            dtype=tl.int32, is_pure=False, pack=2)
+
+    @triton.jit
+    def _add(ptr, value, mask, PAIRS: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Float32 atomic adds of `value` at `ptr` where `mask`; with PAIRS, as vector pairs
+        (masked lanes then add 0.0 at `ptr`, which must stay a valid address)."""
+        if PAIRS:
+            _add_pairs(ptr, tl.where(mask, value, 0.0))
+        else:
+            tl.atomic_add(ptr, value, mask=mask, sem="relaxed")
+
     def _dkv_configs() -> list[Any]:
         return [triton.Config({"BLOCK_N": n, "BLOCK_D": c}, num_warps=w, num_stages=1)
                 for n in (16, 32) for c in (16, 64) for w in (4, 8)]  # fmt: skip
@@ -174,7 +212,7 @@ if triton is not None:
     def _dkv_kernel(Q, KV, IDX, QPOS, DO, LSE, DELTA, DKV,  # type: ignore[no-untyped-def]
                     scale, S, H, TOPK,
                     D_V: tl.constexpr, D_R: tl.constexpr, HEADS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         """One query, all its heads: the scores of a key block are [HEADS x BLOCK_N], built
         over chunks of BLOCK_D columns, and each key's gradient is added once per query."""
         s_id, b_id = tl.program_id(0), tl.program_id(1)
@@ -216,13 +254,22 @@ if triton is not None:
                 q_c = tl.load(q_ptr + c + cols_d[None, :], mask=head_ok[:, None], other=0.0)
                 do_c = tl.load(do_ptr + c + cols_d[None, :], mask=head_ok[:, None], other=0.0)
                 dk_c = tl.dot(ds_t, q_c) + tl.dot(p_t, do_c)
-                tl.atomic_add(dkv_ptr + offset + c + cols_d[None, :], dk_c,
-                              mask=valid[:, None], sem="relaxed")
-            tl.atomic_add(dkv_ptr + offset + D_V + cols_r[None, :], tl.dot(ds_t, q_r),
-                          mask=valid[:, None], sem="relaxed")
+                _add(dkv_ptr + offset + c + cols_d[None, :], dk_c, valid[:, None], PAIRS)
+            _add(dkv_ptr + offset + D_V + cols_r[None, :], tl.dot(ds_t, q_r), valid[:, None],
+                 PAIRS)
 
 
 BACKWARD = "split"  # "split": dQ and dKV kernels; "fused": one kernel, dKV per head block
+#: Whether the split backward adds dKV in vector pairs where the GPU has them (off until
+#: measured and checked on a GPU; the bench's `split-pairs` variant turns it on).
+VECTOR_ATOMICS = False
+
+
+def vector_pairs(q: Tensor) -> bool:
+    """Vector float32 atomics: compiled (not the interpreter), on a GPU of compute capability
+    9.0 or later (`red.add.v2.f32` is Hopper's)."""
+    return (VECTOR_ATOMICS and os.environ.get("TRITON_INTERPRET") != "1" and q.is_cuda
+            and torch.cuda.get_device_capability(q.device)[0] >= 9)
 
 
 def _check(q: Tensor, v_dim: int) -> int:
@@ -270,7 +317,7 @@ def backward(grad: Tensor, q: Tensor, kv: Tensor, indices: Tensor, q_positions: 
     if not fused:
         _dkv_kernel[(sq, b)](q, kv, idx, pos, grad, lse, delta, grad_kv, scale, kv.size(1), h,
                              idx.size(-1), D_V=v_dim, D_R=rope,
-                             HEADS=max(16, triton.next_power_of_2(h)))
+                             HEADS=max(16, triton.next_power_of_2(h)), PAIRS=vector_pairs(q))
     return grad_q, grad_kv.to(kv.dtype)
 
 

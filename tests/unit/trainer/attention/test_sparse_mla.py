@@ -7,8 +7,6 @@ in TRITON_INTERPRET=1 mode where triton is installed."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +16,7 @@ import torch
 from services.common.errors import ConfigError
 from services.common.ports import free_port
 from services.testing.hf_models import random_hf_model
+from services.testing.triton_interpreter import run_in_interpreter
 from services.trainer.attention.mla_attention import MLACoreAttention
 from services.trainer.attention.sparse_mla import (
     absorbed_sparse_attention,
@@ -219,20 +218,13 @@ def interpreter_check() -> None:
 @pytest.mark.slow
 def test_triton_kernels_in_interpreter_equal_the_torch_form() -> None:
     pytest.importorskip("triton")
-    script = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location("
-              f"'check', {__file__!r}); module = importlib.util.module_from_spec(spec);"
-              " spec.loader.exec_module(module); module.interpreter_check()")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "interpreter check passed" in done.stdout
+    assert "interpreter check passed" in run_in_interpreter(__file__, "interpreter_check")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(1, 300, 64, 512, 64, 128), (2, 257, 5, 64, 32, 48)])
-@pytest.mark.parametrize("variant", ["split", "fused"])
+@pytest.mark.parametrize("variant", ["split", "split-pairs", "fused"])
 def test_cuda_kernels_equal_the_torch_form(
     shape: tuple[int, ...], variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -240,7 +232,8 @@ def test_cuda_kernels_equal_the_torch_form(
     assert os.environ.get("TRITON_INTERPRET") != "1"
     from services.trainer.attention import sparse_mla_triton as kernels
 
-    monkeypatch.setattr(kernels, "BACKWARD", variant)
+    monkeypatch.setattr(kernels, "BACKWARD", variant.removesuffix("-pairs"))
+    monkeypatch.setattr(kernels, "VECTOR_ATOMICS", variant.endswith("-pairs"))
     b, s, h, v, rope, k = shape
     gen = torch.Generator(device="cuda").manual_seed(8)
     q = torch.randn(b, s, h, v + rope, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -279,3 +272,13 @@ def test_dense_mla_sdpa_equals_the_exact_path(one_rank: None) -> None:
     for a, r in zip(torch.autograd.grad(fused, (q, k, v), grad),
                     torch.autograd.grad(exact, (q, k, v), grad), strict=True):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=0)
+
+
+def test_vector_atomics_only_where_compiled_for_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    from services.trainer.attention import sparse_mla_triton as kernels
+
+    monkeypatch.setattr(kernels, "VECTOR_ATOMICS", True)
+    assert not kernels.vector_pairs(torch.zeros(1, 1, 1, 32))  # CPU tensors: never
+    monkeypatch.setattr(kernels, "VECTOR_ATOMICS", False)
+    assert not kernels.vector_pairs(torch.zeros(1, 1, 1, 32))
