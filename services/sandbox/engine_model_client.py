@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import ssl
+from operator import itemgetter
 
 import orjson
 
@@ -25,6 +26,7 @@ from services.common.sampling_params import sampling_params
 from services.sandbox.model_client import GenerateResult
 
 log = logging.getLogger(__name__)
+_CACHED_SAMPLINGS = 256
 
 
 class EngineModelClient:
@@ -41,12 +43,15 @@ class EngineModelClient:
                                    max_connections=max_connections, headers=bearer(api_key),
                                    ssl_context=ssl_context)
         self._endings: set[asyncio.Task[None]] = set()
+        # An episode's calls differ in their sampling parameters by max_new_tokens and stop
+        # strings at most: their JSON form is made once per distinct value.
+        self._samplings: dict[bytes, dict[str, object]] = {}
 
     async def generate(self, session_key: str, input_ids: list[int],
                        sampling: common_pb2.SamplingParams,
                        routed_experts_start: int | None = None) -> GenerateResult:
         body: dict[str, object] = {
-            "input_ids": input_ids, "sampling_params": sampling_params(sampling),
+            "input_ids": input_ids, "sampling_params": self._sampling_params(sampling),
             "return_logprob": True, "rid": f"{session_key}-{os.urandom(4).hex()}"}
         if routed_experts_start is not None:
             body.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start)
@@ -64,6 +69,16 @@ class EngineModelClient:
                       f"{raw[:300].decode(errors='replace')}"
             raise InvalidRequest(message) if status == 400 else Unavailable(message)
         raise Unavailable("unreachable")  # the loop returns or raises
+
+    def _sampling_params(self, sampling: common_pb2.SamplingParams) -> dict[str, object]:
+        key = sampling.SerializeToString()
+        params = self._samplings.get(key)
+        if params is None:
+            params = sampling_params(sampling)
+            if len(self._samplings) >= _CACHED_SAMPLINGS:
+                self._samplings.clear()
+            self._samplings[key] = params
+        return params
 
     async def _post(self, path: str, payload: bytes) -> tuple[int, bytes]:
         try:
@@ -101,15 +116,26 @@ def _result(reply: dict[str, object], num_prompt: int) -> GenerateResult:
     assert isinstance(meta, dict)
     finish = meta.get("finish_reason")
     reason = str(finish.get("type", "")) if isinstance(finish, dict) else str(finish or "")
-    ids = [int(t) for t in reply.get("output_ids") or []]  # type: ignore[attr-defined]
-    logprobs = [float(item[0]) for item in meta.get("output_token_logprobs") or []]
+    # map() keeps these per-token conversions in C: a reply has hundreds of tokens.
+    ids = list(map(int, reply.get("output_ids") or []))  # type: ignore[call-overload]
+    logprobs = list(map(float, map(itemgetter(0), meta.get("output_token_logprobs") or [])))
     version = _version(meta.get("weight_version"))
     routes = meta.get("routed_experts")
-    return GenerateResult(ids, logprobs, reason, version,
-                          [_version(v) for v in weight_version_spans(meta, len(ids))],
+    return GenerateResult(ids, logprobs, reason, version, _token_versions(meta, len(ids)),
                           prompt_tokens=int(meta.get("prompt_tokens") or num_prompt),
                           cached_tokens=int(meta.get("cached_tokens") or 0),
                           routed_experts=decode_sglang_routes(str(routes)) if routes else b"")
+
+
+def _token_versions(meta: dict[str, object], num_tokens: int) -> list[int]:
+    """Each output token's weight version, each distinct version parsed once (a reply has one
+    or two, over hundreds of tokens)."""
+    spans = weight_version_spans(meta, num_tokens)
+    distinct = set(spans)
+    if len(distinct) == 1:
+        return [_version(spans[0])] * num_tokens
+    parsed = {text: _version(text) for text in distinct}
+    return list(map(parsed.__getitem__, spans))
 
 
 def _version(value: object) -> int:

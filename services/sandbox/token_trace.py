@@ -42,6 +42,13 @@ class TokenTrace:
         """Every token so far: what the next model call extends."""
         return self.prompt_ids + self.response_ids
 
+    def is_prefix_of(self, ids: list[int]) -> bool:
+        """Whether `ids` starts with every token so far (compared part by part: joining them
+        first copies tens of thousands of ids late in an episode)."""
+        num_prompt = len(self.prompt_ids)
+        return (len(ids) >= self.num_tokens and ids[:num_prompt] == self.prompt_ids
+                and ids[num_prompt:self.num_tokens] == self.response_ids)
+
     @property
     def routes_start(self) -> int | None:
         """Where the next model call asks the engine's routes from (None: not asked)."""
@@ -108,9 +115,8 @@ class SegmentedTrace:
         cause of a segment opened after the first, else ""."""
         current = self.current
         if current is not None:
-            known = current.num_tokens
-            if len(prompt_ids) >= known and prompt_ids[:known] == current.ids:
-                current.add_context(prompt_ids[known:])
+            if current.is_prefix_of(prompt_ids):
+                current.add_context(prompt_ids[current.num_tokens:])
                 return ""
         cause = cause_if_not if current is not None else ""
         self.segments.append(TokenTrace(list(prompt_ids), cause=cause,

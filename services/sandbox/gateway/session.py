@@ -137,6 +137,9 @@ class GatewaySession:
         self.turns: list[dict[str, Any]] = []
         self.prompt_tokens = self.cached_tokens = 0
         self._completion_text = ""  # /v1/completions: text whose ids are the segment's
+        # The last call's (max_new_tokens, stop strings) and the sampling parameters made of them
+        self._last_sampling_key: tuple[int, tuple[str, ...]] | None = None
+        self._last_sampling = common_pb2.SamplingParams()
         self._lock = asyncio.Lock()
 
     def _routes_start(self) -> int | None:
@@ -234,26 +237,30 @@ class GatewaySession:
         self.last = result
         self.prompt_tokens += result.prompt_tokens
         self.cached_tokens += result.cached_tokens
-        text = self.renderer.tokenizer.decode(
-            [i for i in result.output_ids if i not in self.renderer.end_of_turn_ids],
-            skip_special_tokens=True)
+        text = self.renderer.decode_reply(result.output_ids)
         parsed = parse_reply(text, self.parse_tools) if messages else ParsedReply(text)
         self.turns.append({"assistant": text, "commands": [], "observation": ""})
         return CallOutcome(text, parsed, result, len(ids))
 
     def _sampling(self, request: dict[str, Any], room: int) -> common_pb2.SamplingParams:
+        asked = request.get("max_completion_tokens") or request.get("max_tokens")
+        cap = self.sampling.max_new_tokens or self.limits.max_new_tokens
+        stop = request.get("stop")
+        key = (max(1, min(int(asked) if asked else cap, cap, room)),
+               (stop,) if isinstance(stop, str) else tuple(stop or ()))
+        # A harness asks the same of every call: the last call's parameters serve again.
+        if key != self._last_sampling_key:
+            self._last_sampling_key, self._last_sampling = key, self._sampling_params(*key)
+        return self._last_sampling
+
+    def _sampling_params(self, max_new_tokens: int, stop: tuple[str, ...]
+                         ) -> common_pb2.SamplingParams:
         # The run's sampling (temperature, top_p, top_k) holds whatever the harness asks: the
         # trainer's log-probs are of the distribution the engine sampled from.
         params = common_pb2.SamplingParams()
         params.CopyFrom(self.sampling)
-        asked = request.get("max_completion_tokens") or request.get("max_tokens")
-        cap = self.sampling.max_new_tokens or self.limits.max_new_tokens
-        params.max_new_tokens = max(1, min(int(asked) if asked else cap, cap, room))
-        stop = request.get("stop")
-        if isinstance(stop, str):
-            stop = [stop]
-        if stop:
-            params.stop.extend(stop)
+        params.max_new_tokens = max_new_tokens
+        params.stop.extend(stop)
         for token in self.renderer.end_of_turn_ids:
             if token not in params.stop_token_ids:
                 params.stop_token_ids.append(token)

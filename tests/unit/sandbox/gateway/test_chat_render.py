@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 from services.common.tiny_model import build_tokenizer
 from services.sandbox.gateway.chat_render import ChatRenderer, Reply, reply_fingerprint
 
@@ -69,3 +72,67 @@ def test_tool_calls_are_matched_by_name_and_arguments_not_their_spelling() -> No
         "name": "run", "arguments": '{"a":2,"b":1}'}}])
     assert ours == sent_back
     assert ours != reply_fingerprint("", [{"function": {"name": "run", "arguments": '{"a":3}'}}])
+
+
+def template_ids(messages: list[dict[str, str]]) -> list[int]:
+    """The template's own rendering, encoded whole (the byte-level tokenizer encodes text the
+    same whole or in pieces)."""
+    text = TOKENIZER.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return TOKENIZER.encode(text, add_special_tokens=False)
+
+
+def test_a_long_chat_of_our_replies_renders_exactly_the_templates_tokens() -> None:
+    # More turns than there are ready-made sentinels; some replies were cut at max_tokens
+    # (no end-of-turn id), which the template closes.
+    chat, messages, history = renderer(), first_turn(), []
+    for turn in range(80):
+        text = f"reply {turn}"
+        ids = [ord(c) for c in text] + ([] if turn % 3 == 0 else [EOT])
+        history.append(Reply(reply_fingerprint(text, None), ids))
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": f"observation {turn}"}]
+    rendered = chat.render(messages, None, history)
+    assert rendered.history_is_ours and rendered.assistants == history
+    assert rendered.ids == template_ids(messages)
+    # the same again from the piece cache, and from a renderer with none
+    assert chat.render(messages, None, history).ids == rendered.ids
+    assert renderer().render(messages, None, history).ids == rendered.ids
+
+
+def test_a_rewritten_history_renders_the_edited_turn_and_keeps_the_others_generated() -> None:
+    generated = [0xC3, ord("A"), EOT]  # re-encodes otherwise: only splicing keeps these ids
+    text = TOKENIZER.decode(generated[:-1], skip_special_tokens=True)
+    known = {reply_fingerprint("first", None): [*map(ord, "first"), EOT],
+             reply_fingerprint(text, None): generated}
+    history = [Reply(fingerprint, ids) for fingerprint, ids in known.items()]
+    messages = [*first_turn(), {"role": "assistant", "content": "first, edited"},
+                {"role": "user", "content": "go"}, {"role": "assistant", "content": text},
+                {"role": "user", "content": "on"}]
+    chat = renderer()
+    rendered = chat.render(messages, None, history, known)
+    assert not rendered.history_is_ours
+    assert [r.ids for r in rendered.assistants] == [None, generated]
+    # the edited turn as the template renders it, up to the opening of our reply
+    prefix = template_ids(messages[:4])
+    assert rendered.ids[:len(prefix)] == prefix
+    assert rendered.ids[len(prefix):len(prefix) + 3] == generated
+    assert rendered.ids[len(prefix) + 3:] == TOKENIZER.encode(
+        "\n<|im_start|>user\non<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
+
+def test_a_reply_decodes_as_the_tokenizers_own_decode() -> None:
+    im_start = TOKENIZER.convert_tokens_to_ids("<|im_start|>")
+    for ids in ([ord("o"), ord("k"), EOT], [0xC3, ord("A"), im_start, 1, EOT], [], [EOT]):
+        expected = TOKENIZER.decode([i for i in ids if i != EOT], skip_special_tokens=True)
+        assert renderer().decode_reply(ids) == expected
+
+
+def test_a_tokenizer_with_its_own_decode_is_decoded_by_it() -> None:
+    class Shouting(type(TOKENIZER)):  # type: ignore[misc]
+        def decode(self, ids: Any, **kwargs: Any) -> Any:
+            return super().decode(ids, **kwargs).upper()
+
+    shouting = copy.copy(TOKENIZER)
+    shouting.__class__ = Shouting
+    chat = ChatRenderer(shouting, TOKENIZER.chat_template, {EOT})
+    assert chat.decode_reply([ord("o"), ord("k"), EOT]) == "OK"

@@ -20,6 +20,7 @@ from services.sandbox.gateway.session import (
     SessionLimits,
 )
 from services.sandbox.model_client import GenerateResult
+from services.sandbox.token_trace import SegmentedTrace
 from services.testing.routed_model import AnswersRoutes
 
 TOKENIZER = build_tokenizer()
@@ -227,3 +228,31 @@ def test_each_segment_records_its_routes_from_its_own_start() -> None:
         expected = np.arange(n - 1) % 60
         assert (routes[: n - 1, 0, 0] == expected).all() and (routes[n - 1] == -1).all()
     assert second.as_segment().routed_experts  # the segment's proto carries them
+
+
+def test_each_call_gets_the_sampling_it_asks_for_within_the_caps() -> None:
+    model = RecordingModel([[ord("a"), EOT]] * 4)
+    s = session(model, max_new_tokens=64)
+    history = [{"role": "user", "content": "hi"}]
+    for request in ({"max_tokens": 10, "stop": "X"}, {"max_tokens": 10, "stop": "X"},
+                    {"max_completion_tokens": 5, "stop": ["Y", "Z"]}, {}):
+        chat(s, history, **request)
+    asked = [(p.max_new_tokens, list(p.stop)) for _, _, p in model.calls]
+    assert asked == [(10, ["X"]), (10, ["X"]), (5, ["Y", "Z"]), (64, [])]
+    assert all(p.temperature == pytest.approx(0.8) and list(p.stop_token_ids) == [EOT]
+               for _, _, p in model.calls)
+
+
+def test_a_prompt_extends_the_tokens_so_far_only_if_it_starts_with_all_of_them() -> None:
+    trace = SegmentedTrace()
+    trace.extend_or_open([1, 2, 3], "")
+    trace.current.add_model(GenerateResult([4, 5], [-0.1, -0.2], "stop", 1))  # type: ignore[union-attr]
+    for prompt, cause in (([1, 2, 3, 4, 5, 6], ""),  # extends the prompt and the reply
+                          ([1, 2, 3, 4, 5, 6], ""),  # exactly the tokens so far
+                          ([1, 2, 3, 4, 9, 6, 7], "prompt_rewritten"),  # differs in the reply
+                          ([1, 2, 3], "template_mismatch"),  # shorter
+                          ([0, 2, 3], "history_rewritten")):  # differs in the prompt
+        assert trace.extend_or_open(prompt, cause) == cause
+    assert [segment.cause for segment in trace.segments] == [
+        "", "prompt_rewritten", "template_mismatch", "history_rewritten"]
+    assert trace.segments[0].ids == [1, 2, 3, 4, 5, 6]
