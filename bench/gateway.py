@@ -82,8 +82,9 @@ def conversation(turn: int, replies: list[str]) -> list[dict[str, str]]:
 def prompt_lengths(turns: int) -> list[int]:
     """Tokens of the gateway's prompt at each turn (one-token replies, as the engine gives)."""
     tokenizer = build_tokenizer()
+    # return_dict=False: transformers 5 returns a mapping (len 2) by default
     return [len(tokenizer.apply_chat_template(conversation(t, ["x"] * t), tokenize=True,
-                                              add_generation_prompt=True))
+                                              add_generation_prompt=True, return_dict=False))
             for t in range(turns)]
 
 
