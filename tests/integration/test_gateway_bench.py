@@ -5,6 +5,7 @@ line is the JSON that judges the target and splits the overhead."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
@@ -56,6 +57,19 @@ def test_the_proxy_hop_answers_502_when_its_target_is_gone() -> None:
         status, body = asyncio.run(_post(proxy.url, "/generate", b"{}"))
     assert status == 502
     assert b"NotConnected" in body
+
+
+def test_the_other_paths_send_prompts_as_long_as_the_gateways() -> None:
+    """The direct, front and hop paths send prompts of the lengths the gateway's rendered
+    conversation has at each turn (transformers 5's apply_chat_template once made them a
+    2-key mapping's length)."""
+    spec = importlib.util.spec_from_file_location("gateway_bench", REPO / "bench" / "gateway.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lengths = bench.prompt_lengths(3)
+    assert lengths[0] > 100  # the system prompt and the task alone
+    assert lengths[0] < lengths[1] < lengths[2]
 
 
 @pytest.mark.slow
