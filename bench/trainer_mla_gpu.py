@@ -26,7 +26,7 @@ variant (`split-pairs`: the split one adding dKV in vector pairs), the split one
 two kernels apart, and the DSA indexer (fused Triton scores against the float32 torch form).
 
     python bench/trainer_mla_gpu.py [--cases row8192,row32768,row65536] [--sides trainer,hf]
-        [--moe-layers 2] [--experts 16] [--steps 2]
+        [--moe-layers 2] [--experts 16] [--steps 2] [--vector-atomics]
     python bench/trainer_mla_gpu.py --attention-only [--seq 65536]
         [--backward split,split-pairs,fused]
 The last line printed is the JSON summary.
@@ -275,9 +275,10 @@ def profile_top(step: Any, count: int = 15) -> list[list[Any]]:
 
 
 def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int,
-             profile: bool = False) -> dict[str, Any]:
+             profile: bool = False, vector_atomics: bool = False) -> dict[str, Any]:
     import torch
 
+    from services.trainer.attention import sparse_mla_triton as kernels
     from services.trainer.objective.loss import LossSettings, policy_loss
 
     config = glm_slice_config(moe_layers, experts)
@@ -285,6 +286,7 @@ def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int,
     hf = _hf_model(config)
     batch = _rows(seq, config.vocab_size)
     if side == "trainer":
+        kernels.VECTOR_ATOMICS = vector_atomics
         from services.trainer.data.batch import RolloutBatch
         from services.trainer.model.model import ModelShape, build_gpt_model
         from services.trainer.model.policy import ModelPolicy
@@ -380,6 +382,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--profile", action="store_true",
                         help="each side's costliest GPU kernels over one more step")
+    parser.add_argument("--vector-atomics", action="store_true",
+                        help="the trainer's split backward adds dKV in vector pairs")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.attention_only:
@@ -387,10 +391,10 @@ def main() -> None:
         return
     if args.side:
         print(json.dumps(run_side(args.side, args.seq, args.moe_layers, args.experts,
-                                  args.steps, args.profile)))
+                                  args.steps, args.profile, args.vector_atomics)))
         return
     results: dict[str, Any] = {"moe_layers": args.moe_layers, "experts": args.experts,
-                               "steps": args.steps}
+                               "steps": args.steps, "vector_atomics": args.vector_atomics}
     for case in args.cases.split(","):
         seq = int(case.removeprefix("row"))
         entry = {}
@@ -398,7 +402,9 @@ def main() -> None:
             entry[side] = _subprocess(["--side", side, "--seq", str(seq), "--moe-layers",
                                        str(args.moe_layers), "--experts", str(args.experts),
                                        "--steps", str(args.steps),
-                                       *(["--profile"] if args.profile else [])], args.timeout_s)
+                                       *(["--profile"] if args.profile else []),
+                                       *(["--vector-atomics"] if args.vector_atomics else [])],
+                                      args.timeout_s)
             print(case, side, json.dumps(entry[side]), flush=True)
         mine, theirs = entry.get("trainer", {}), entry.get("hf", {})
         if "tokens_per_s" in mine and "tokens_per_s" in theirs:
