@@ -22,13 +22,14 @@ lower bound).
 
 `--attention-only` times the sparse attention kernels alone at `--seq` tokens (random
 distinct causal picks, the worst case for locality), forward and backward for each backward
-variant (`split-pairs`: the split one adding dKV in vector pairs), the split one's
+variant (`split-pairs`: the split one adding dKV in vector pairs; `stash`: dQ from the dS the
+dKV kernel keeps; `stash-pairs`: that with vector pairs), the split one's
 two kernels apart, and the DSA indexer (fused Triton scores against the float32 torch form).
 
     python bench/trainer_mla_gpu.py [--cases row8192,row32768,row65536] [--sides trainer,hf]
-        [--moe-layers 2] [--experts 16] [--steps 2] [--vector-atomics]
+        [--moe-layers 2] [--experts 16] [--steps 2] [--attention-backward stash-pairs]
     python bench/trainer_mla_gpu.py --attention-only [--seq 65536]
-        [--backward split,split-pairs,fused]
+        [--backward split,split-pairs,stash,stash-pairs,fused]
 The last line printed is the JSON summary.
 """
 
@@ -47,6 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_FLOPS = 989e12
 HEADS, LATENT, ROPE, TOPK = 64, 512, 64, 2048
+BACKWARD_VARIANTS = ("split", "split-pairs", "stash", "stash-pairs", "fused")
 
 
 def glm_slice_config(moe_layers: int, experts: int) -> Any:
@@ -153,7 +155,8 @@ def attention_only(seq: int, variants: list[str]) -> dict[str, Any]:
                                                     scale)
     result["configs"] = {name: str(getattr(k, "best_config", None)) for name, k in
                          (("forward", kernels._forward_kernel), ("dq", kernels._backward_kernel),
-                          ("dkv", kernels._dkv_kernel))}  # fmt: skip
+                          ("dkv", kernels._dkv_kernel),
+                          ("dq_from_ds", kernels._dq_from_ds_kernel))}  # fmt: skip
     result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return result
 
@@ -180,10 +183,10 @@ def split_backward_parts(q: Any, kv: Any, picks: Any, positions: Any, out: Any, 
                                        WITH_DKV=False)
 
     def dkv() -> None:
-        kernels._dkv_kernel[(sq, b)](q, kv, idx, pos, grad, lse, delta, grad_kv, scale,
-                                     kv.size(1), h, idx.size(-1), D_V=LATENT, D_R=ROPE,
-                                     HEADS=max(16, triton.next_power_of_2(h)),
-                                     PAIRS=kernels.vector_pairs(q))
+        kernels._dkv_kernel[(sq, b)](q, kv, idx, pos, grad, lse, delta, grad_kv, grad_kv,
+                                     scale, kv.size(1), h, idx.size(-1), 0, sq, 0, D_V=LATENT,
+                                     D_R=ROPE, HEADS=max(16, triton.next_power_of_2(h)),
+                                     PAIRS=kernels.vector_pairs(q), STORE_DS=False)
 
     pairs = sparse_pairs(sq)
     dq_s, dkv_s = _time(dq), _time(dkv)
@@ -275,7 +278,7 @@ def profile_top(step: Any, count: int = 15) -> list[list[Any]]:
 
 
 def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int,
-             profile: bool = False, vector_atomics: bool = False) -> dict[str, Any]:
+             profile: bool = False, attention_backward: str | None = None) -> dict[str, Any]:
     import torch
 
     from services.trainer.attention import sparse_mla_triton as kernels
@@ -286,7 +289,9 @@ def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int,
     hf = _hf_model(config)
     batch = _rows(seq, config.vocab_size)
     if side == "trainer":
-        kernels.VECTOR_ATOMICS = vector_atomics
+        if attention_backward:
+            kernels.BACKWARD = attention_backward.removesuffix("-pairs")
+            kernels.VECTOR_ATOMICS = attention_backward.endswith("-pairs")
         from services.trainer.data.batch import RolloutBatch
         from services.trainer.model.model import ModelShape, build_gpt_model
         from services.trainer.model.policy import ModelPolicy
@@ -382,8 +387,9 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--profile", action="store_true",
                         help="each side's costliest GPU kernels over one more step")
-    parser.add_argument("--vector-atomics", action="store_true",
-                        help="the trainer's split backward adds dKV in vector pairs")
+    parser.add_argument("--attention-backward", choices=BACKWARD_VARIANTS,
+                        help="the trainer's sparse attention backward in the row cases "
+                        "(default: the kernels' own)")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.attention_only:
@@ -391,10 +397,11 @@ def main() -> None:
         return
     if args.side:
         print(json.dumps(run_side(args.side, args.seq, args.moe_layers, args.experts,
-                                  args.steps, args.profile, args.vector_atomics)))
+                                  args.steps, args.profile, args.attention_backward)))
         return
     results: dict[str, Any] = {"moe_layers": args.moe_layers, "experts": args.experts,
-                               "steps": args.steps, "vector_atomics": args.vector_atomics}
+                               "steps": args.steps,
+                               "attention_backward": args.attention_backward or "default"}
     for case in args.cases.split(","):
         seq = int(case.removeprefix("row"))
         entry = {}
@@ -403,7 +410,8 @@ def main() -> None:
                                        str(args.moe_layers), "--experts", str(args.experts),
                                        "--steps", str(args.steps),
                                        *(["--profile"] if args.profile else []),
-                                       *(["--vector-atomics"] if args.vector_atomics else [])],
+                                       *(["--attention-backward", args.attention_backward]
+                                         if args.attention_backward else [])],
                                       args.timeout_s)
             print(case, side, json.dumps(entry[side]), flush=True)
         mine, theirs = entry.get("trainer", {}), entry.get("hf", {})
