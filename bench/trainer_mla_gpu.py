@@ -22,14 +22,13 @@ lower bound).
 
 `--attention-only` times the sparse attention kernels alone at `--seq` tokens (random
 distinct causal picks, the worst case for locality), forward and backward for each backward
-variant (`split-pairs`: the split one adding dKV in vector pairs; `stash`: dQ from the dS the
-dKV kernel keeps; `stash-pairs`: that with vector pairs), the split one's
+variant (`split-pairs`: the split one adding dKV in vector pairs), the split one's
 two kernels apart, and the DSA indexer (fused Triton scores against the float32 torch form).
 
     python bench/trainer_mla_gpu.py [--cases row8192,row32768,row65536] [--sides trainer,hf]
-        [--moe-layers 2] [--experts 16] [--steps 2] [--attention-backward stash-pairs]
+        [--moe-layers 2] [--experts 16] [--steps 2] [--attention-backward split-pairs]
     python bench/trainer_mla_gpu.py --attention-only [--seq 65536]
-        [--backward split,split-pairs,stash,stash-pairs,fused]
+        [--backward split,split-pairs,fused]
 The last line printed is the JSON summary.
 """
 
@@ -48,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_FLOPS = 989e12
 HEADS, LATENT, ROPE, TOPK = 64, 512, 64, 2048
-BACKWARD_VARIANTS = ("split", "split-pairs", "stash", "stash-pairs", "fused")
+BACKWARD_VARIANTS = ("split", "split-pairs", "fused")
 
 
 def glm_slice_config(moe_layers: int, experts: int) -> Any:
@@ -150,13 +149,13 @@ def attention_only(seq: int, variants: list[str]) -> dict[str, Any]:
             "fwd_bwd_ms": round(total * 1e3, 2),
             "attention_mfu": round((fwd_flops + bwd_flops) / total / PEAK_FLOPS, 4),
         }
+        print(variant, json.dumps(result[variant]), flush=True)  # kept if a later one fails
     kernels.VECTOR_ATOMICS = False
     result["split_parts_ms"] = split_backward_parts(q, kv, picks, positions, out, lse, grad,
                                                     scale)
     result["configs"] = {name: str(getattr(k, "best_config", None)) for name, k in
                          (("forward", kernels._forward_kernel), ("dq", kernels._backward_kernel),
-                          ("dkv", kernels._dkv_kernel),
-                          ("dq_from_ds", kernels._dq_from_ds_kernel))}  # fmt: skip
+                          ("dkv", kernels._dkv_kernel))}  # fmt: skip
     result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return result
 
@@ -183,10 +182,10 @@ def split_backward_parts(q: Any, kv: Any, picks: Any, positions: Any, out: Any, 
                                        WITH_DKV=False)
 
     def dkv() -> None:
-        kernels._dkv_kernel[(sq, b)](q, kv, idx, pos, grad, lse, delta, grad_kv, grad_kv,
-                                     scale, kv.size(1), h, idx.size(-1), 0, sq, 0, D_V=LATENT,
-                                     D_R=ROPE, HEADS=max(16, triton.next_power_of_2(h)),
-                                     PAIRS=kernels.vector_pairs(q), STORE_DS=False)
+        kernels._dkv_kernel[(sq, b)](q, kv, idx, pos, grad, lse, delta, grad_kv, scale,
+                                     kv.size(1), h, idx.size(-1), D_V=LATENT, D_R=ROPE,
+                                     HEADS=max(16, triton.next_power_of_2(h)),
+                                     PAIRS=kernels.vector_pairs(q))
 
     pairs = sparse_pairs(sq)
     dq_s, dkv_s = _time(dq), _time(dkv)

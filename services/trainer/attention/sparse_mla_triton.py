@@ -11,15 +11,12 @@ a float32 dKV by atomic adds (the keys a query picks are scattered over the row;
 V3.2's own sparse-MLA backward adds them the same way). `BACKWARD = "split"` adds them from a
 second kernel whose program holds one query with ALL its heads (the scores over column
 chunks, so nothing [heads x v] stays in registers): each key's gradient is added once per
-query rather than once per head block; "stash" is the split one whose dKV kernel also writes
-each query's dS (a chunk of queries at a time, the buffer under STASH_BYTES), from which a third
-kernel takes dQ = dS @ K without recomputing the scores and dP; "fused" adds them from the dQ
-loop. With
+query rather than once per head block; "fused" adds them from the dQ loop. With
 `VECTOR_ATOMICS` the split kernel adds pairs of neighbouring float32 values with one vector
 atomic (`red...add.v2.f32`, Hopper and later; Triton's own atomic_add issues one instruction
 per value), as DeepSeek's kernel adds quads, since the atomics seem to bound that kernel.
-It compiles (ptxas, sm_90, Triton 3.6 and 3.9) but has not run on a GPU yet, so it is off
-until the CUDA test and bench/trainer_mla_gpu.py's `split-pairs` variant have.
+Its CUDA test passes on an H100 (the same errors as the plain adds), but its speed has not
+been measured yet (bench/trainer_mla_gpu.py's `split-pairs` variant), so it stays off.
 Importing this module needs `triton`; `available()` says whether it is there.
 """
 
@@ -60,19 +57,6 @@ if triton is not None:
         fit = [c for c in configs if c.kwargs["BLOCK_H"] <= max(16, heads)]
         return fit or configs[:1]
 
-    @triton.jit
-    def _picked_keys(IDX, row, TOPK, slots, q_pos, kv_ptr, cols_v, cols_r,  # type: ignore[no-untyped-def]
-                     D_V: tl.constexpr, d):
-        """A block of a query's picks: which are valid (not padding, not after the query),
-        their row offsets in KV, and their latent [BLOCK_N, D_V] and rope [BLOCK_N, D_R]
-        parts (zero where not valid)."""
-        idx = tl.load(IDX + row * TOPK + slots, mask=slots < TOPK, other=-1)
-        valid = (idx >= 0) & (idx <= q_pos)
-        offset = tl.where(valid, idx, 0).to(tl.int64)[:, None] * d
-        k_v = tl.load(kv_ptr + offset + cols_v[None, :], mask=valid[:, None], other=0.0)
-        k_r = tl.load(kv_ptr + offset + D_V + cols_r[None, :], mask=valid[:, None], other=0.0)
-        return valid, offset, k_v, k_r
-
     @triton.autotune(configs=_configs([16, 32, 64], [32, 64]), key=["H", "TOPK", "D_V", "D_R"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
@@ -97,8 +81,11 @@ if triton is not None:
         acc = tl.zeros([BLOCK_H, D_V], tl.float32)
         for start in range(0, TOPK, BLOCK_N):
             slots = start + tl.arange(0, BLOCK_N)
-            valid, _, k_v, k_r = _picked_keys(IDX, row, TOPK, slots, q_pos, kv_ptr, cols_v,
-                                              cols_r, D_V, d)
+            idx = tl.load(IDX + row * TOPK + slots, mask=slots < TOPK, other=-1)
+            valid = (idx >= 0) & (idx <= q_pos)
+            key_ptr = kv_ptr + tl.where(valid, idx, 0).to(tl.int64)[:, None] * d
+            k_v = tl.load(key_ptr + cols_v[None, :], mask=valid[:, None], other=0.0)
+            k_r = tl.load(key_ptr + D_V + cols_r[None, :], mask=valid[:, None], other=0.0)
             scores = tl.dot(q_v, tl.trans(k_v)) + tl.dot(q_r, tl.trans(k_r))
             scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
@@ -148,8 +135,11 @@ if triton is not None:
         dq_r = tl.zeros([BLOCK_H, D_R], tl.float32)
         for start in range(0, TOPK, BLOCK_N):
             slots = start + tl.arange(0, BLOCK_N)
-            valid, offset, k_v, k_r = _picked_keys(IDX, row, TOPK, slots, q_pos, kv_ptr,
-                                                   cols_v, cols_r, D_V, d)
+            idx = tl.load(IDX + row * TOPK + slots, mask=slots < TOPK, other=-1)
+            valid = (idx >= 0) & (idx <= q_pos)
+            offset = tl.where(valid, idx, 0).to(tl.int64)[:, None] * d
+            k_v = tl.load(kv_ptr + offset + cols_v[None, :], mask=valid[:, None], other=0.0)
+            k_r = tl.load(kv_ptr + offset + D_V + cols_r[None, :], mask=valid[:, None], other=0.0)
             scores = tl.dot(q_v, tl.trans(k_v)) + tl.dot(q_r, tl.trans(k_r))
             p = tl.exp2(scores * (scale * 1.4426950408889634) - lse2[:, None])
             p = tl.where(valid[None, :], p, 0.0)
@@ -219,17 +209,14 @@ if triton is not None:
                      prune_configs_by={"early_config_prune": _prune_dkv},
                      reset_to_zero=["DKV"])
     @triton.jit
-    def _dkv_kernel(Q, KV, IDX, QPOS, DO, LSE, DELTA, DKV, DS,  # type: ignore[no-untyped-def]
-                    scale, S, H, TOPK, Q0, sq, DS_ROWS,
+    def _dkv_kernel(Q, KV, IDX, QPOS, DO, LSE, DELTA, DKV,  # type: ignore[no-untyped-def]
+                    scale, S, H, TOPK,
                     D_V: tl.constexpr, D_R: tl.constexpr, HEADS: tl.constexpr,
-                    PAIRS: tl.constexpr, STORE_DS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         """One query, all its heads: the scores of a key block are [HEADS x BLOCK_N], built
-        over chunks of BLOCK_D columns, and each key's gradient is added once per query.
-        Programs cover queries Q0.. of `sq`; with STORE_DS each query's dS (scaled, the
-        inputs' dtype) goes to DS [b, DS_ROWS, H, TOPK] at its row within the chunk."""
-        local, b_id = tl.program_id(0), tl.program_id(1)
-        s_id = Q0 + local
+        over chunks of BLOCK_D columns, and each key's gradient is added once per query."""
+        s_id, b_id = tl.program_id(0), tl.program_id(1)
+        sq = tl.num_programs(0)
         d = D_V + D_R
         heads = tl.arange(0, HEADS)
         head_ok = heads < H
@@ -261,12 +248,7 @@ if triton is not None:
                 dp += tl.dot(do_c, tl.trans(k_c))
             p = tl.exp2(scores * (scale * 1.4426950408889634) - lse2[:, None])
             p = tl.where(valid[None, :], p, 0.0)
-            ds = (p * (dp - delta[:, None]) * scale).to(q_r.dtype)
-            if STORE_DS:
-                ds_row = (b_id * DS_ROWS + local).to(tl.int64) * H
-                tl.store(DS + (ds_row + heads[:, None]) * TOPK + slots[None, :], ds,
-                         mask=head_ok[:, None] & (slots < TOPK)[None, :])
-            ds_t = tl.trans(ds)
+            ds_t = tl.trans((p * (dp - delta[:, None]) * scale).to(q_r.dtype))
             p_t = tl.trans(p.to(q_r.dtype))
             for c in tl.static_range(0, D_V, BLOCK_D):
                 q_c = tl.load(q_ptr + c + cols_d[None, :], mask=head_ok[:, None], other=0.0)
@@ -277,47 +259,9 @@ if triton is not None:
                  PAIRS)
 
 
-    @triton.autotune(configs=_configs([16, 32, 64], [16, 32]), key=["H", "TOPK", "D_V", "D_R"],
-                     prune_configs_by={"early_config_prune": _prune})
-    @triton.jit
-    def _dq_from_ds_kernel(KV, IDX, QPOS, DS, DQ,  # type: ignore[no-untyped-def]
-                           S, H, TOPK, Q0, sq, DS_ROWS,
-                           D_V: tl.constexpr, D_R: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-        """dQ = dS @ K over a query's picks, from the dS the dKV kernel stashed: no scores,
-        probabilities or dP recomputed."""
-        local, b_id, h_blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        s_id = Q0 + local
-        d = D_V + D_R
-        heads = h_blk * BLOCK_H + tl.arange(0, BLOCK_H)
-        head_ok = heads < H
-        cols_v, cols_r = tl.arange(0, D_V), tl.arange(0, D_R)
-        row = (b_id * sq + s_id).to(tl.int64)
-        ds_ptr = DS + ((b_id * DS_ROWS + local).to(tl.int64) * H + heads[:, None]) * TOPK
-        q_pos = tl.load(QPOS + s_id)
-        kv_ptr = KV + b_id.to(tl.int64) * S * d
-        dq_v = tl.zeros([BLOCK_H, D_V], tl.float32)
-        dq_r = tl.zeros([BLOCK_H, D_R], tl.float32)
-        for start in range(0, TOPK, BLOCK_N):
-            slots = start + tl.arange(0, BLOCK_N)
-            valid, offset, k_v, k_r = _picked_keys(IDX, row, TOPK, slots, q_pos, kv_ptr,
-                                                   cols_v, cols_r, D_V, d)
-            ds = tl.load(ds_ptr + slots[None, :], mask=head_ok[:, None] & valid[None, :],
-                         other=0.0)
-            dq_v += tl.dot(ds, k_v)
-            dq_r += tl.dot(ds, k_r)
-        dq_ptr = DQ + (row * H + heads[:, None]) * d
-        tl.store(dq_ptr + cols_v[None, :], dq_v.to(DQ.dtype.element_ty), mask=head_ok[:, None])
-        tl.store(dq_ptr + D_V + cols_r[None, :], dq_r.to(DQ.dtype.element_ty),
-                 mask=head_ok[:, None])
-
-#: "split": a dQ kernel and a dKV kernel, each recomputing the scores and dP; "stash": the
-#: dKV kernel keeps dS (chunks of queries, STASH_BYTES each) and dQ is one matmul from it;
-#: "fused": one kernel, dKV added per head block
-BACKWARD = "split"
-STASH_BYTES = 2 << 30
-#: Whether the split backward adds dKV in vector pairs where the GPU has them (off until
-#: measured and checked on a GPU; the bench's `split-pairs` variant turns it on).
+BACKWARD = "split"  # "split": dQ and dKV kernels; "fused": one kernel, dKV per head block
+#: Whether the split backward adds dKV in vector pairs where the GPU has them (checked on a
+#: GPU, off until measured faster; the bench's `split-pairs` variant turns it on).
 VECTOR_ATOMICS = False
 
 
@@ -366,28 +310,14 @@ def backward(grad: Tensor, q: Tensor, kv: Tensor, indices: Tensor, q_positions: 
     grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     idx = indices.to(torch.int32).contiguous()
     pos = q_positions.to(torch.int32).contiguous()
-    topk = idx.size(-1)
-    heads = max(16, triton.next_power_of_2(h))
-    if BACKWARD == "stash":
-        rows = max(1, min(sq, STASH_BYTES // (b * h * topk * q.element_size())))
-        ds = q.new_empty((b, rows, h, topk))
-        for q0 in range(0, sq, rows):
-            n = min(rows, sq - q0)
-            _dkv_kernel[(n, b)](q, kv, idx, pos, grad, lse, delta, grad_kv, ds, scale,
-                                kv.size(1), h, topk, q0, sq, rows, D_V=v_dim, D_R=rope,
-                                HEADS=heads, PAIRS=vector_pairs(q), STORE_DS=True)
-            _dq_from_ds_kernel[lambda meta, n=n: (n, b, triton.cdiv(h, meta["BLOCK_H"]))](
-                kv, idx, pos, ds, grad_q, kv.size(1), h, topk, q0, sq, rows, D_V=v_dim,
-                D_R=rope)
-        return grad_q, grad_kv.to(kv.dtype)
     fused = BACKWARD == "fused"
     _backward_kernel[_grid(sq, b, h)](q, kv, idx, pos, grad, lse, delta, grad_q, grad_kv,
-                                      scale, kv.size(1), h, topk, D_V=v_dim, D_R=rope,
+                                      scale, kv.size(1), h, idx.size(-1), D_V=v_dim, D_R=rope,
                                       WITH_DKV=fused)
     if not fused:
-        _dkv_kernel[(sq, b)](q, kv, idx, pos, grad, lse, delta, grad_kv, grad_kv, scale,
-                             kv.size(1), h, topk, 0, sq, 0, D_V=v_dim, D_R=rope, HEADS=heads,
-                             PAIRS=vector_pairs(q), STORE_DS=False)
+        _dkv_kernel[(sq, b)](q, kv, idx, pos, grad, lse, delta, grad_kv, scale, kv.size(1), h,
+                             idx.size(-1), D_V=v_dim, D_R=rope,
+                             HEADS=max(16, triton.next_power_of_2(h)), PAIRS=vector_pairs(q))
     return grad_q, grad_kv.to(kv.dtype)
 
 
