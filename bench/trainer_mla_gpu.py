@@ -110,6 +110,15 @@ def _time(fn: Any, repeat: int = 3) -> float:
     return statistics.median(times)
 
 
+def use_backward(variant: str) -> None:
+    """Set the sparse attention's backward variant (`split-pairs`: the split one adding dKV in
+    vector pairs, VECTOR_ATOMICS)."""
+    from services.trainer.attention import sparse_mla_triton as kernels
+
+    kernels.BACKWARD = variant.removesuffix("-pairs")
+    kernels.VECTOR_ATOMICS = variant.endswith("-pairs")
+
+
 def attention_only(seq: int, variants: list[str]) -> dict[str, Any]:
     import torch
 
@@ -133,9 +142,7 @@ def attention_only(seq: int, variants: list[str]) -> dict[str, Any]:
     result["indexer"] = indexer_timing(seq)
     print(json.dumps(result), flush=True)
     for variant in variants:
-        # split-pairs: the split backward adding dKV in vector pairs (VECTOR_ATOMICS)
-        kernels.BACKWARD = variant.removesuffix("-pairs")
-        kernels.VECTOR_ATOMICS = variant.endswith("-pairs")
+        use_backward(variant)
         try:
             bwd_s = _time(lambda: kernels.backward(grad, q, kv, picks, positions, out, lse,
                                                    scale))
@@ -280,7 +287,6 @@ def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int,
              profile: bool = False, attention_backward: str | None = None) -> dict[str, Any]:
     import torch
 
-    from services.trainer.attention import sparse_mla_triton as kernels
     from services.trainer.objective.loss import LossSettings, policy_loss
 
     config = glm_slice_config(moe_layers, experts)
@@ -289,8 +295,7 @@ def run_side(side: str, seq: int, moe_layers: int, experts: int, steps: int,
     batch = _rows(seq, config.vocab_size)
     if side == "trainer":
         if attention_backward:
-            kernels.BACKWARD = attention_backward.removesuffix("-pairs")
-            kernels.VECTOR_ATOMICS = attention_backward.endswith("-pairs")
+            use_backward(attention_backward)
         from services.trainer.data.batch import RolloutBatch
         from services.trainer.model.model import ModelShape, build_gpt_model
         from services.trainer.model.policy import ModelPolicy
