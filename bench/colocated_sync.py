@@ -11,10 +11,13 @@ instead, as a trainer's freshly gathered tensors are). Measured: one colocated c
 free memory before and after the release, whose sync is the first one (cold: pickling,
 opening the handles); then two warm-up syncs (the payload pickled for good, the engine
 opening it again and keeping it) and `--repeats` steady-state syncs, and their median; the
-median of the same bytes copied device to device as one flat buffer and tensor by tensor,
-and the ratios; the engine's log-probs of a greedy continuation against the trainer's own
-after the syncs (max abs diff), and the weights read back from the engine against the
-trainer's (exact). JSON on the last line.
+median of the same bytes copied device to device as one flat buffer, tensor by tensor, in one
+`torch._foreach_copy_` and by the engine's own copy (weight_copy.py), and the ratios; an update
+that carries no tensor (its fixed cost), a bare HTTP round trip and one with a turn of the
+engine loop; the engine's
+log-probs of a greedy continuation against the trainer's own after the syncs (max abs diff),
+and the weights read back from the engine against the trainer's (exact). JSON on the last
+line.
 
     python bench/colocated_sync.py --device cuda              # Qwen2-1.5B shape, bf16
     python bench/colocated_sync.py --device cuda --stage      # the staged path
@@ -36,7 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.common.tensor_payload import encode  # noqa: E402
 from services.common.tiny_model import build_tokenizer  # noqa: E402
+from services.engine.weight_copy import copy_weights  # noqa: E402
 from services.testing.engine_process import EngineProcess  # noqa: E402
 from services.trainer.weights.weight_ipc import ColocatedWeightSender  # noqa: E402
 
@@ -162,6 +167,16 @@ def main() -> None:
             syncs = [timed(lambda i=i: sender.send(plan, f"v{i}"), device)
                      for i in range(args.repeats + 2)]
             phases = dict(sender.timings)
+            empty = encode([])  # the fixed cost of an update: HTTP, the engine loop's turn
+            updates_empty = [timed(lambda: engine.post("/update_weights_from_tensor", {
+                "serialized_named_tensors": [empty], "flush_cache": False}), device)
+                for _ in range(args.repeats)]
+            # ... and what it is made of: a bare HTTP round trip, and one with a turn of the
+            # engine loop (setting the version the last sync set)
+            health = [timed(lambda: engine.get("/health"), device) for _ in range(args.repeats)]
+            turns = [timed(lambda: engine.post("/update_weight_version", {
+                "new_version": f"v{args.repeats + 1}", "abort_all_requests": False}), device)
+                for _ in range(args.repeats)]
             staging_bytes, modes = sender.shares.num_bytes, sender.shares.modes()
             shared = engine.get("/get_server_info").json()["shared_tensors"]
             flat_src = torch.empty(total, dtype=torch.uint8, device=device)
@@ -172,6 +187,10 @@ def main() -> None:
             per_tensor = [timed(lambda: [c.copy_(t) for c, (_, t) in zip(clones, named,
                                                                           strict=True)], device)
                           for _ in range(args.repeats)]
+            grouped = [timed(lambda: torch._foreach_copy_(clones, [t for _, t in named]), device)
+                       for _ in range(args.repeats)]
+            engines_copy = [timed(lambda: copy_weights(clones, [t for _, t in named]), device)
+                            for _ in range(args.repeats)]
             out_after, engine_after = engine_logprobs(engine)
             ours = trainer_logprobs(trainer, out_after, device)
             diff = max(abs(a - b) for a, b in zip(engine_after, ours, strict=True))
@@ -183,7 +202,9 @@ def main() -> None:
             version = engine.get("/get_model_info").json()["weight_version"]
             sender.close()
     steady = syncs[2:]  # once the payload is pickled for good and the engine keeps it
-    sync_s, copy_s, tensor_copy_s = (statistics.median(x) for x in (steady, copies, per_tensor))
+    sync_s, copy_s, tensor_copy_s, grouped_s, engine_copy_s, empty_s, health_s, turn_s = (
+        statistics.median(x) for x in (steady, copies, per_tensor, grouped, engines_copy,
+                                       updates_empty, health, turns))
     cold_s = cycle["sync_s"]
     result = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -195,8 +216,13 @@ def main() -> None:
         "sync_cold_s": round(cold_s, 4), "sync_s": round(sync_s, 4),
         "syncs_s": [round(s, 4) for s in syncs],
         "sync_phases_s": {k: round(v, 5) for k, v in phases.items()},
+        # the answer's round trip less the engine's open and load: HTTP and the loop's turn
+        "sync_http_s": round(phases["post_s"] - phases["open_s"] - phases["load_s"], 5),
+        "update_empty_s": round(empty_s, 5), "http_round_trip_s": round(health_s, 5),
+        "http_with_loop_turn_s": round(turn_s, 5),
         "engine_shared_tensors": shared,
         "d2d_copy_flat_s": round(copy_s, 5), "d2d_copy_per_tensor_s": round(tensor_copy_s, 5),
+        "d2d_copy_foreach_s": round(grouped_s, 5), "d2d_copy_engine_s": round(engine_copy_s, 5),
         "sync_cold_over_flat_copy": round(cold_s / copy_s, 2),
         "sync_over_flat_copy": round(sync_s / copy_s, 2),
         "sync_over_per_tensor_copy": round(sync_s / tensor_copy_s, 2),

@@ -18,6 +18,7 @@ from services.engine.radix_cache import LayerKV, kv_len
 from services.engine.routed_experts import RoutedExpertsRecorder
 from services.engine.shared_tensors import WeightCopy
 from services.engine.slot_model import choose_decode_backend
+from services.engine.weight_copy import copy_weights
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def load_weights(self, copy: WeightCopy) -> None:
-        """One grouped copy of received tensors into their parameter views (cast to the model
-        dtype, moved to its device)."""
-        if copy.targets:
-            torch._foreach_copy_(copy.targets, copy.sources)
+        """Received tensors into their parameter views (cast to the model dtype, moved to its
+        device): weight_copy.py's copy, large tensors one by one and the rest grouped."""
+        copy_weights(copy.targets, copy.sources)
         if self.device.type == "cuda":  # the sender may free shared tensors once we answer
             torch.cuda.synchronize(self.device)

@@ -52,13 +52,16 @@ class ColocatedWeightSender:
         self.urls = [u.rstrip("/") for u in engine_urls]
         self.dtype = dtype
         self.shares = BucketShares(dtype, direct)
-        #: seconds of the last send: sharing here (staging copies, pickling new layouts), and
-        #: the engines' opening (unpickling) and loading
+        #: seconds of the last send: sharing here (staging copies, pickling new layouts), the
+        #: engines' answers (`post_s`, a round trip to the slowest engine), and in them the
+        #: engines' opening (unpickling) and loading
         self.timings: dict[str, float] = {}
         self.http = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)))
 
     def _post_all(self, path: str, body: dict[str, Any] | bytes) -> list[dict[str, Any]]:
+        if len(self.urls) == 1:  # no hand-off to a pool thread and back
+            return [self._post(self.urls[0], path, body)]
         futures = [self.pool.submit(self._post, url, path, body) for url in self.urls]
         return [future.result() for future in futures]
 
@@ -82,6 +85,7 @@ class ColocatedWeightSender:
         shared = time.perf_counter()
         answers = self._post_all("/update_weights_from_tensor", body.encode())
         self._count("share_s", shared - started)
+        self._count("post_s", time.perf_counter() - shared)
         self._count("open_s", max(float(a.get("open_s", 0.0)) for a in answers))
         self._count("load_s", max(float(a.get("load_s", 0.0)) for a in answers))
         return sum(t.numel() * t.element_size() for _, t in views)

@@ -1,0 +1,50 @@
+"""The engine's weight copy: every target gets its source, large pairs one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.weight_copy import LARGE_BYTES, copy_weights, is_large
+
+
+def _pairs() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    big = LARGE_BYTES // 2  # bfloat16 elements of exactly LARGE_BYTES
+    shapes = [(big,), (7,), (big // 64, 64), (3, 5), (big - 1,)]
+    sources = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    targets = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
+    return targets, sources
+
+
+def test_every_target_gets_its_source_and_the_large_ones_go_one_by_one() -> None:
+    targets, sources = _pairs()
+    assert copy_weights(targets, sources) == 2  # the two of exactly LARGE_BYTES
+    for target, source in zip(targets, sources, strict=True):
+        assert torch.equal(target, source)
+
+
+def test_views_of_one_parameter_are_filled_in_place() -> None:
+    fused = torch.zeros(LARGE_BYTES // 2 + 8, dtype=torch.bfloat16)
+    head, tail = fused[:LARGE_BYTES // 2], fused[LARGE_BYTES // 2:]
+    sources = [torch.ones_like(head), torch.full_like(tail, 2.0)]
+    copy_weights([head, tail], sources)
+    assert torch.all(fused[:LARGE_BYTES // 2] == 1) and torch.all(fused[-8:] == 2)
+
+
+def test_another_dtype_or_a_strided_pair_is_cast_in_the_grouped_copy() -> None:
+    target = torch.zeros(LARGE_BYTES // 2, dtype=torch.bfloat16)
+    source = torch.randn(LARGE_BYTES // 2, dtype=torch.float32)
+    strided = torch.zeros(LARGE_BYTES // 2, 2, dtype=torch.bfloat16)[:, 0]
+    assert not is_large(target, source) and not is_large(strided, target)
+    assert copy_weights([target, strided], [source, source.to(torch.bfloat16)]) == 0
+    assert torch.equal(target, source.to(torch.bfloat16))
+    assert torch.equal(strided, source.to(torch.bfloat16))
+
+
+def test_unequal_lists_are_refused() -> None:
+    with pytest.raises(ValueError, match="2 targets for 1 sources"):
+        copy_weights([torch.zeros(1), torch.zeros(1)], [torch.ones(1)])
+
+
+def test_nothing_to_copy_is_fine() -> None:
+    assert copy_weights([], []) == 0
