@@ -11,12 +11,14 @@ with its last checkpoint: same tasks, same settings, same engine. The baseline i
 initial model; `rl_from` says which it is.
 
 On CPU the engine and the trainer compute in bfloat16 where the processor has bf16 matrix
-units (several times faster than fp32 there) and in float32 where it has none (bf16 matmuls
-then run about fifty times slower than fp32): `--dtype auto`; Adam keeps fp32 master weights.
+units (avx512_bf16 or amx_bf16: several times faster than fp32 there) and in float32 where it
+has none (bf16 matmuls then run about twice as slow as fp32 on AVX-512, where oneDNN emulates
+them, and about fifty times on AVX2): `--dtype auto`; Adam keeps fp32 master weights.
 The trainer scores each group's shared prompt once per micro-batch (`trainer.shared_prefix`,
-packed rows; `--no-shared-prefix` for whole rows), recomputes each layer's activations in the
-backward (`--recompute`) and checkpoints every 5 steps. Tasks are drawn by the chance that their
-next group has reward variance (`--task-sampling informative`).
+packed rows; `--no-shared-prefix` for whole rows) and checkpoints every 5 steps; on a machine
+with less than 10 GiB available it also recomputes each layer's activations in the backward
+(`--recompute`) and streams Adam's state through disk (`--optimizer-on-disk`). Tasks are drawn
+by the chance that their next group has reward variance (`--task-sampling informative`).
 
 While it runs it prints (to stderr) the line `riptide up` prints for each trainer step and
 each finished evaluation. The trainer stops itself after `--steps`; when the budget runs out
@@ -74,13 +76,41 @@ AGENT = {"protocol": "markdown_bash", "max_turns": 3, "max_new_tokens": 64,
          "max_context_tokens": 2048, "wall_time_s": 300.0, "default_command_timeout_s": 10.0}
 
 
-def _resolve_dtype(dtype: str, device: str = "cpu") -> str:
-    """`auto`: bfloat16 on a GPU and where oneDNN has bf16 kernels for this processor, else
-    float32."""
+#: Below this much available memory the CPU run recomputes activations and streams Adam's
+#: state through disk: SmolLM2-135M's float32 step then peaks at 2.4 GiB instead of 4.9
+#: (bench/trainer_memory.py at the run's shape), for 70 s a step instead of 59 on two cores.
+LOW_MEMORY_GIB = 10
+
+
+def _low_memory(meminfo: Path = Path("/proc/meminfo")) -> bool:
+    """Whether this machine has less than LOW_MEMORY_GIB available (True where unknown)."""
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
+        return int(fields["MemAvailable"].split()[0]) < LOW_MEMORY_GIB * 2**20
+    except (OSError, KeyError, ValueError):
+        return True
+
+
+#: x86 flags of bf16 matrix units; oneDNN also runs bf16 on AVX-512 without them, emulated:
+#: SmolLM2-135M's training step there took 123 s in bf16 against 59 s in float32.
+BF16_UNITS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def _resolve_dtype(dtype: str, device: str = "cpu", cpuinfo: Path = Path("/proc/cpuinfo")
+                   ) -> str:
+    """`auto`: bfloat16 on a GPU and on a processor with bf16 matrix units, else float32.
+    Where the processor's flags cannot be read, oneDNN's own answer decides."""
     if dtype != "auto":
         return dtype
     if device == "cuda":
         return "bfloat16"
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                      if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is not None:
+        return "bfloat16" if BF16_UNITS.intersection(flags) else "float32"
     import torch
 
     return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
@@ -300,10 +330,11 @@ def trained_steps(events: list[Event]) -> dict[int, dict[str, Any]]:
 
 #: What a flag left out means, per device: two CPU cores, or one GPU shared by engine and
 #: trainer (colocated). The GPU's are chosen for learning: more episodes in flight, more
-#: groups a step, no recompute, Adam's state in memory.
+#: groups a step, no recompute, Adam's state in memory; the CPU saves memory
+#: ("low-memory") only on a machine short of it.
 CPU_DEFAULTS: dict[str, Any] = {
     "steps": 40, "budget_min": 30.0, "in_flight": 16, "group_size": 8, "groups_per_step": 1,
-    "microbatch_tokens": 2048, "recompute": True, "optimizer_on_disk": True,
+    "microbatch_tokens": 2048, "recompute": "low-memory", "optimizer_on_disk": "low-memory",
     "eval_interval": 10, "checkpoint_interval": 5, "eval_samples": 0, "eval_concurrency": 5,
     "max_staleness": 2}
 GPU_DEFAULTS: dict[str, Any] = {
@@ -346,12 +377,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
                         help="packed rows, each group's prompt scored once (trainer.shared_prefix)")
     parser.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
-                        help="recompute each layer's activations in the backward (default on "
-                        "CPU, where the trainer idles while the engine generates and this "
-                        "keeps it under 3 GB; off on GPU)")
+                        help="recompute each layer's activations in the backward (default: "
+                        f"on a CPU machine with less than {LOW_MEMORY_GIB} GiB available, where "
+                        "it keeps the trainer under 3 GB at 15%% more time a step; off "
+                        "elsewhere)")
     parser.add_argument("--optimizer-on-disk", action=argparse.BooleanOptionalAction,
                         default=None, help="Adam's fp32 state in files under the run dir "
-                        "(default on CPU, off on GPU)")
+                        "(default as --recompute)")
     parser.add_argument("--eval-interval", type=int, default=None,
                         help="weight versions between evaluations during training")
     parser.add_argument("--checkpoint-interval", type=int, default=None,
@@ -364,7 +396,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="held-out episodes at once in the before/after evals")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="engine and trainer compute dtype (auto: bfloat16 on a GPU and "
-                        "where the CPU has bf16 kernels, else float32)")
+                        "on a CPU with bf16 matrix units, avx512_bf16 or amx_bf16; else "
+                        "float32)")
     parser.add_argument("--warm-start-steps", type=int, default=0,
                         help="riptide sft steps (4 trajectories each) before RL; 0 (the "
                         "default): RL from the raw model")
@@ -373,7 +406,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, _low_memory() if value == "low-memory" else value)
     args.dtype = _resolve_dtype(args.dtype, args.device)
     return args
 

@@ -21,7 +21,7 @@ def test_each_device_has_its_defaults_and_flags_override_them() -> None:
     cpu = learning.parse_args([])
     assert (cpu.steps, cpu.in_flight, cpu.groups_per_step, cpu.eval_samples) == (40, 16, 1, 0)
     assert (cpu.max_staleness, cpu.eval_interval) == (2, 10)
-    assert cpu.recompute and cpu.optimizer_on_disk
+    assert cpu.recompute == cpu.optimizer_on_disk == learning._low_memory()
     flags = learning.parse_args(["--device", "cuda", "--in-flight", "64", "--recompute",
                                  "--max-staleness", "6", "--dtype", "float32"])
     assert (flags.in_flight, flags.recompute, flags.max_staleness, flags.dtype) == (
@@ -39,9 +39,23 @@ def test_the_gpu_run_is_colocated_with_the_engine_on_the_gpu(tmp_path: Path) -> 
     assert config.rollout.scheduler.max_staleness == 3
     assert config.rollout.scheduler.max_concurrent_samples == 128
     assert config.trainer.model.recompute_granularity == "none"
-    cpu = learning._config(tmp_path / "cpu", tmp_path / "model", learning.parse_args([]))
+    cpu = learning._config(tmp_path / "cpu", tmp_path / "model",
+                           learning.parse_args(["--recompute", "--optimizer-on-disk"]))
     assert cpu.trainer.weight_sync.mode == "rollout"
     assert cpu.trainer.model.recompute_granularity == "full"
+    assert cpu.trainer.optimizer.stream_optimizer_state_to_disk == str(
+        tmp_path / "cpu" / "adam-state")
+
+
+def test_the_cpu_run_saves_memory_only_where_the_machine_is_short_of_it(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    assert not learning._low_memory(meminfo)
+    meminfo.write_text("MemTotal:        8000000 kB\nMemAvailable:    6000000 kB\n")
+    assert learning._low_memory(meminfo)
+    meminfo.write_text("MemTotal:        8000000 kB\n")
+    assert learning._low_memory(meminfo)  # unknown: the frugal settings
+    assert learning._low_memory(tmp_path / "missing")
 
 
 def test_the_engine_generation_counter_is_summed_over_its_ranks() -> None:
@@ -119,3 +133,15 @@ def test_an_evaluation_still_running_is_not_reported_as_a_score() -> None:
     assert learning.evaluations_by_version(summary) == {
         "eval_by_weight_version": {"0": 0.1, "10": 0.2},
         "eval_unfinished": {"20": "1/10 episodes"}}
+
+
+def test_auto_dtype_is_bf16_only_where_the_processor_has_bf16_units(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512vl\n")
+    assert learning._resolve_dtype("auto", "cpu", cpuinfo) == "float32"  # bf16 only emulated
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert learning._resolve_dtype("auto", "cpu", cpuinfo) == "bfloat16"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+    assert learning._resolve_dtype("auto", "cpu", cpuinfo) == "bfloat16"
+    assert learning._resolve_dtype("auto", "cuda", cpuinfo) == "bfloat16"
+    assert learning._resolve_dtype("float32", "cuda", cpuinfo) == "float32"
