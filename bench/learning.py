@@ -65,6 +65,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.checkpoint_steps import latest_checkpoint_step
 from services.common.config import dump_config
+from services.common.cpu_split import threads_each
 from services.common.events import Event, load_events
 from services.common.progress import StepProgress, cache_hit_rate
 from services.local_stack import LocalStack, local_config, trainer_finished
@@ -180,6 +181,7 @@ def _config(run_dir: Path, model: Path, args: argparse.Namespace) -> Any:
         "sandbox": {"tasks_dir": str(_tasks_dir(run_dir)), "tokenizer_path": str(model),
                     "max_concurrent_episodes": args.in_flight, "agent": AGENT},
         "trainer": {"rollout_batch_size": args.groups_per_step,
+                    "cpu_threads": args.trainer_threads,
                     "checkpoint": {"interval_steps": args.checkpoint_interval},
                     "max_tokens_per_microbatch": args.microbatch_tokens,
                     "packed_sequences": args.shared_prefix, "shared_prefix": args.shared_prefix,
@@ -336,12 +338,22 @@ CPU_DEFAULTS: dict[str, Any] = {
     "steps": 40, "budget_min": 30.0, "in_flight": 16, "group_size": 8, "groups_per_step": 1,
     "microbatch_tokens": 2048, "recompute": "low-memory", "optimizer_on_disk": "low-memory",
     "eval_interval": 10, "checkpoint_interval": 5, "eval_samples": 0, "eval_concurrency": 5,
-    "max_staleness": 2}
+    "max_staleness": 2, "engine_threads": "half-cores", "trainer_threads": "half-cores"}
 GPU_DEFAULTS: dict[str, Any] = {
     "steps": 100, "budget_min": 6.0, "in_flight": 128, "group_size": 8, "groups_per_step": 2,
     "microbatch_tokens": 8192, "recompute": False, "optimizer_on_disk": False,
     "eval_interval": 25, "checkpoint_interval": 25, "eval_samples": 4, "eval_concurrency": 40,
-    "max_staleness": 4}
+    "max_staleness": 4, "engine_threads": 2, "trainer_threads": 0}
+
+
+def _cpu_default(value: Any) -> Any:
+    """A default that depends on the machine: "low-memory" (recompute, Adam on disk) and
+    "half-cores" (the engine's and the trainer's threads: cpu_split.py)."""
+    if value == "low-memory":
+        return _low_memory()
+    if value == "half-cores":
+        return threads_each()
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -370,7 +382,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "reward variance; cycle: shuffled passes with a cooldown")
     parser.add_argument("--cooldown-passes", type=int, default=2,
                         help="cycle: passes a task sits out after a zero-variance group")
-    parser.add_argument("--engine-threads", type=int, default=2)
+    parser.add_argument("--engine-threads", type=int, default=None,
+                        help="the engine's torch threads (default: half the cores on CPU, where "
+                        "the trainer has the other half; 2 on GPU)")
+    parser.add_argument("--trainer-threads", type=int, default=None,
+                        help="the trainer's torch threads (default: half the cores on CPU; 0, "
+                        "one per core, on GPU)")
     parser.add_argument("--microbatch-tokens", type=int, default=None,
                         help="trainer micro-batch size (CPU: 2048 holds a group's shared prompt "
                         "and its 8 continuations; GPU: 8192)")
@@ -406,7 +423,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
-            setattr(args, key, _low_memory() if value == "low-memory" else value)
+            setattr(args, key, _cpu_default(value))
     args.dtype = _resolve_dtype(args.dtype, args.device)
     return args
 
@@ -488,7 +505,8 @@ def main() -> None:
         "dtype": args.dtype, "weight_sync": config.trainer.weight_sync.mode,
         "settings": {k: getattr(args, k) for k in (
             "steps", "budget_min", "in_flight", "max_staleness", "group_size",
-            "groups_per_step", "lr", "microbatch_tokens", "recompute", "eval_samples")},
+            "groups_per_step", "lr", "microbatch_tokens", "recompute", "eval_samples",
+            "engine_threads", "trainer_threads")},
         "shared_prefix": args.shared_prefix,
         "steps": max(steps, default=0), "checkpoint_step": checkpoint_step,
         "groups_trained": sum(int(a.get("groups") or 0) for a in steps.values()),

@@ -11,7 +11,9 @@ ids and rewards. Each layout runs in its own process through the trainer's own p
 - `padded`: right-padded rows, `--micro-tokens` a micro-batch (what the learning run used
   before shared prefixes: 1024 puts each sample in its own micro-batch);
 - `packed`: samples back to back in rows of at most `--micro-tokens` (THD);
-- `shared_prefix`: packed, each group's prompt once per micro-batch (`trainer.shared_prefix`).
+- `shared_prefix`: packed, each group's prompt once per micro-batch (`trainer.shared_prefix`);
+- `shared_prefix_every_position`: the same with the output layer and log-probs computed at
+  every position, not only the loss tokens' (the trainer before it scored those alone).
 
 Reports per layout the median step time, the tokens computed a step, peak RSS, and the loss
 and gradient norm of the first step, which must agree across layouts (the same objective).
@@ -35,10 +37,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"padded": {}, "packed": {"packed_sequences": True},
-           "shared_prefix": {"packed_sequences": True, "shared_prefix": True}}  # fmt: skip
+           "shared_prefix": {"packed_sequences": True, "shared_prefix": True},
+           "shared_prefix_every_position": {"packed_sequences": True, "shared_prefix": True}}
+#: layouts whose policy scores every position (ModelPolicy.loss_tokens_only off)
+EVERY_POSITION = {"shared_prefix_every_position"}
 
 
-def _groups(args: argparse.Namespace, vocab: int) -> list[Any]:
+def agent_groups(args: argparse.Namespace, vocab: int) -> list[Any]:
     import torch
 
     from services._proto.riptide.v1.common_pb2 import VERDICT_STATUS_SCORED, Group, Trajectory
@@ -74,7 +79,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                            max_tokens_per_microbatch=args.micro_tokens,
                            optimizer={"lr": 1e-7}, **layout)  # fmt: skip
     policy = build_policy(config).policy
-    groups = _groups(args, 49152)
+    policy.loss_tokens_only = args.layout not in EVERY_POSITION
+    groups = agent_groups(args, 49152)
     batch = pack_groups(groups, True, args.micro_tokens, packed=config.packed_sequences,
                         shared_prefix=config.shared_prefix)  # fmt: skip
     first: dict[str, float] = {}

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.common.cpu_split import threads_each
 from services.common.events import read_episodes, read_events
 from services.common.redis_connect import connect
 
@@ -40,13 +41,15 @@ def demo_overrides(model: Path, dtype: str = "float32") -> dict[str, dict[str, A
                           "temperature": 0.8, "max_staleness": 2,
                           "drop_zero_variance_groups": False},
             "fleet": {"model_path": str(model), "start_timeout_s": 600.0,
-                      "builtin_args": ["--dtype", dtype]},
+                      # engine and trainer each take half the cores (cpu_split.py)
+                      "builtin_args": ["--dtype", dtype, "--num-threads", str(threads_each())]},
             "weight_update": {"step_timeout_s": 300.0},
         },
         "sandbox": {"tasks_dir": str(REPO_ROOT / "tasks" / "starter" / "train"),
                     "tokenizer_path": str(model), "max_concurrent_episodes": 8,
                     "agent": DEMO_AGENT},
         "trainer": {"rollout_batch_size": 1, "checkpoint": {"interval_steps": 1},
+                    "cpu_threads": threads_each(),
                     "max_tokens_per_microbatch": 2048, "packed_sequences": True,
                     "shared_prefix": True,
                     "model": {"hf_path": str(model), "dtype": dtype},

@@ -207,20 +207,22 @@ def build_policy(config: TrainerConfig, ranks: RankAddress | None = None) -> Bui
     if config.model.fused_output_logprobs != "auto":
         fused = config.model.fused_output_logprobs == "on"
         logprob_fn = functools.partial(token_logprobs, fused=fused)
+    loss_tokens_only = layout.cp_size == 1  # token_logprobs scores only the loss tokens
     if layout.cp_size > 1:
         from services.trainer.attention.context_parallel import cp_token_logprobs
 
         logprob_fn = cp_token_logprobs
     temperature = config.sampling_temperature
     policy = ModelPolicy(model, optimizer, logprob_fn, opt.max_grad_norm, clip, grad_sync,
-                         temperature, routing_replay(config, shape, layout, model))  # fmt: skip
+                         temperature, routing_replay(config, shape, layout, model),
+                         loss_tokens_only)  # fmt: skip
     reference = None
     if config.loss.kl_coef > 0:
         from services.trainer.weights.convert import load_hf_checkpoint
 
         ref_model = configured_model(config, shape)
         load_hf_checkpoint(ref_model, shape, config.loss.reference_hf_path or config.model.hf_path)
-        reference = FrozenModel(ref_model, logprob_fn, temperature)
+        reference = FrozenModel(ref_model, logprob_fn, temperature, loss_tokens_only)
     shard = None
     if layout.dp_size > 1:
         from megatron.core import parallel_state as ps

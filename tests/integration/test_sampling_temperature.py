@@ -42,6 +42,7 @@ def _trainer_kl(model: str, temperature: float, samples: list[dict[str, Any]],
     config = TrainerConfig.model_validate({"model": {"hf_path": model, "dtype": "float32"},
                                            "sampling_temperature": temperature})
     policy = build_policy(config, RankAddress(0, 1, "127.0.0.1", port)).policy
+    assert policy.loss_tokens_only  # the masked positions alone are scored
     kls = []
     for s in samples:
         ids = s["prompt"] + s["output"]

@@ -1,10 +1,14 @@
-"""The demo summary's episodes: which are shown, and how a transcript reads."""
+"""The demo summary's episodes: which are shown, and how a transcript reads; the demo's
+split of the cores between its engine and its trainer."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from services.demo import pick_episodes, transcript
+import pytest
+
+from services.demo import demo_overrides, pick_episodes, transcript
 
 
 def _episode(sample: str, task: str, reward: float, turns: list[dict[str, Any]] | None = None,
@@ -36,3 +40,15 @@ def test_a_transcript_shows_commands_their_output_and_the_verdict() -> None:
     failed = transcript(_episode("s2", "t", 0.0, verdict="no_verdict") | {"reward": None,
                                                                           "message": "timeout"})
     assert failed[-1] == "  verdict: no verdict: timeout"
+
+
+def test_the_demo_engine_and_trainer_each_take_half_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.common import cpu_split
+
+    monkeypatch.setattr(cpu_split.os, "sched_getaffinity", lambda _pid: set(range(6)))
+    overrides = demo_overrides(Path("model"))
+    engine_args = overrides["rollout"]["fleet"]["builtin_args"]
+    assert engine_args[engine_args.index("--num-threads") + 1] == "3"
+    assert overrides["trainer"]["cpu_threads"] == 3

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("learning_bench", REPO / "bench" / "learning.py")
 assert _spec is not None and _spec.loader is not None
@@ -145,3 +147,21 @@ def test_auto_dtype_is_bf16_only_where_the_processor_has_bf16_units(tmp_path: Pa
     assert learning._resolve_dtype("auto", "cpu", cpuinfo) == "bfloat16"
     assert learning._resolve_dtype("auto", "cuda", cpuinfo) == "bfloat16"
     assert learning._resolve_dtype("float32", "cuda", cpuinfo) == "float32"
+
+
+def test_on_cpu_the_engine_and_the_trainer_each_get_half_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.common import cpu_split
+
+    monkeypatch.setattr(cpu_split.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    cpu = learning._config(tmp_path, tmp_path / "model", learning.parse_args([]))
+    engine_args = list(cpu.rollout.fleet.builtin_args)
+    assert engine_args[engine_args.index("--num-threads") + 1] == "2"
+    assert cpu.trainer.cpu_threads == 2
+    monkeypatch.setattr(cpu_split.os, "sched_getaffinity", lambda _pid: {0})
+    assert learning.parse_args([]).trainer_threads == learning.parse_args([]).engine_threads == 1
+    gpu = learning.parse_args(["--device", "cuda"])
+    assert (gpu.engine_threads, gpu.trainer_threads) == (2, 0)  # the GPU does the work there
+    flags = learning.parse_args(["--engine-threads", "3", "--trainer-threads", "5"])
+    assert (flags.engine_threads, flags.trainer_threads) == (3, 5)

@@ -67,15 +67,18 @@ def causal_lm_logprobs(model: Any, input_ids: Tensor) -> Tensor:
     return out
 
 
-def logprob_keywords(batch: MicroBatch, temperature: float) -> dict[str, Any]:
+def logprob_keywords(batch: MicroBatch, temperature: float,
+                     loss_tokens_only: bool = False) -> dict[str, Any]:  # fmt: skip
     """The log-prob function's keywords: a packed micro-batch's boundaries (and shared
-    prefixes) and a sampling temperature other than 1 (functions for padded rows at T = 1
-    need neither)."""
+    prefixes), a sampling temperature other than 1 (functions for padded rows at T = 1
+    need neither) and, with `loss_tokens_only`, the loss mask as `scored`."""
     out: dict[str, Any] = {} if batch.cu_seqlens is None else {"cu_seqlens": batch.cu_seqlens}
     if batch.prefix_of is not None:
         out["prefix_of"] = batch.prefix_of
     if temperature != 1.0:
         out["temperature"] = temperature
+    if loss_tokens_only:
+        out["scored"] = batch.loss_mask
     return out
 
 
@@ -88,17 +91,17 @@ class FrozenModel:
 
     def __init__(
         self, model: torch.nn.Module, logprob_fn: LogprobFn = causal_lm_logprobs,
-        temperature: float = 1.0,
+        temperature: float = 1.0, loss_tokens_only: bool = False,
     ) -> None:
         self.model = model.requires_grad_(False)
         self.logprob_fn = logprob_fn
         self.temperature = temperature  # the engines' sampling temperature
+        self.loss_tokens_only = loss_tokens_only  # see ModelPolicy
 
     def logprobs(self, batch: MicroBatch) -> Tensor:
+        keywords = logprob_keywords(batch, self.temperature, self.loss_tokens_only)
         with torch.no_grad():
-            return self.logprob_fn(
-                self.model, batch.input_ids, **logprob_keywords(batch, self.temperature)
-            )
+            return self.logprob_fn(self.model, batch.input_ids, **keywords)
 
 
 class ModelPolicy:
@@ -114,8 +117,12 @@ class ModelPolicy:
         grad_sync: GradSyncFn | None = None,
         temperature: float = 1.0,
         routing_replay: RoutingReplay | None = None,
+        loss_tokens_only: bool = False,
     ) -> None:
         self.model = model
+        #: the log-prob function takes `scored=` (the loss mask) and scores only those
+        #: tokens (logprobs.token_logprobs); every use of the log-probs is masked by it
+        self.loss_tokens_only = loss_tokens_only
         self.routing_replay = routing_replay  # MoE: route by the engine's routed experts
         self.temperature = temperature  # the engines' sampling temperature
         self.optimizer = optimizer
@@ -127,9 +134,8 @@ class ModelPolicy:
     def logprobs(self, batch: MicroBatch) -> Tensor:
         if self.routing_replay is not None:
             self.routing_replay.set_routes(batch.routed_experts, batch.lengths, batch.cu_seqlens)
-        return self.logprob_fn(
-            self.model, batch.input_ids, **logprob_keywords(batch, self.temperature)
-        )
+        return self.logprob_fn(self.model, batch.input_ids,
+                               **logprob_keywords(batch, self.temperature, self.loss_tokens_only))
 
     def backward(self, loss: Tensor) -> None:
         loss.backward()

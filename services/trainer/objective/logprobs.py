@@ -150,28 +150,55 @@ def stage_logprobs(
     return logprobs_from_local_logits(logits, rows, temperature)
 
 
+def scored_positions(scored: torch.Tensor) -> torch.Tensor:
+    """The flat indices of the positions [B, S] whose next token is scored (`scored`
+    nonzero): the rows of the output layer a scored-only forward computes."""
+    wanted = torch.zeros(scored.shape, dtype=torch.bool, device=scored.device)
+    wanted[:, :-1] = scored[:, 1:] != 0
+    return wanted.reshape(-1).nonzero().squeeze(1)
+
+
+def _fused_next_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+    scored: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    from services.trainer.objective import fused_output
+
+    flat, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    if scored is None:
+        return fused_output.hidden_logprobs(flat, weight, flat_targets, temperature)
+    rows = scored_positions(scored)
+    picked = fused_output.hidden_logprobs(flat.index_select(0, rows), weight,
+                                          flat_targets.index_select(0, rows), temperature)
+    return picked.new_zeros(flat_targets.shape).index_copy(0, rows, picked)
+
+
 def token_logprobs(
     model: Any, input_ids: torch.Tensor, temperature: float = 1.0, cu_seqlens: CuSeqlens = None,
     fused: bool | None = None, prefix_of: PrefixOf | None = None,
+    scored: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probs [B, S] of right-padded rows `input_ids` [B, S] (padding only to the right,
     so it never affects the real tokens under causal attention), or of one packed row [1, T]
     with boundaries `cu_seqlens`. With `fused` (and a model whose output layer allows it) the
     output layer runs inside the log-prob chunks (fused_output.py): no [tokens, vocab]
     logits are kept for the backward. None: `fused_output.auto_fused` (off the GPU, or where
-    the whole logits would be large)."""
+    the whole logits would be large). With `scored` [B, S] (the loss mask) the log-probs are
+    those of its nonzero positions and 0 elsewhere, and the fused output layer runs only for
+    them: in an agent's rows the prompt and the commands' output, most of the tokens, are
+    never scored (finding them waits for a GPU once)."""
     from services.trainer.objective import fused_output
 
     if fused is None:
         fused = fused_output.auto_fused(model, input_ids.numel())
     if not (fused and fused_output.fusable(model)):
         logits = forward_logits(model, input_ids, cu_seqlens, prefix_of)
-        return token_logprobs_from_logits(logits, input_ids, temperature, cu_seqlens)
+        out = token_logprobs_from_logits(logits, input_ids, temperature, cu_seqlens)
+        return out if scored is None else out.masked_fill(scored == 0, 0.0)
     with fused_output.output_hidden(model) as used:
         hidden = forward_logits(model, input_ids, cu_seqlens, prefix_of)  # [B, S, H]
     targets = next_token_targets(input_ids)
-    next_lp = fused_output.hidden_logprobs(hidden.reshape(-1, hidden.size(-1)), used["weight"],
-                                           targets.reshape(-1), temperature)  # fmt: skip
+    next_lp = _fused_next_logprobs(hidden, used["weight"], targets, temperature, scored)
     return align_logprobs(next_lp.view(targets.shape), cu_seqlens)
 
 

@@ -115,3 +115,42 @@ def test_auto_fuses_on_a_gpu_where_whole_logits_would_be_large(
     assert fused_output.auto_fused(model, 11)  # past it: fused
     monkeypatch.setattr(fused_output, "on_cuda", lambda _model: False)
     assert fused_output.auto_fused(model, 1)  # host RAM: always fused
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_scored_logprobs_are_the_loss_tokens_only(fused: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the loss mask as `scored`, the log-probs of scored tokens and the gradients of a
+    masked loss equal the whole row's; every other position is 0, and the fused output layer
+    is asked for the scored tokens' rows alone."""
+    from services.trainer.objective import fused_output
+
+    hf = random_hf_model("qwen2", tie_word_embeddings=True)
+    shape = ModelShape.from_hf(hf.config)
+    model = build_gpt_model(shape)
+    load_hf_weights(model, shape, hf.state_dict())
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 96, (1, 24), generator=gen)
+    mask = torch.zeros(ids.shape)
+    mask[0, [4, 5, 6, 13, 20, 21, 22, 23]] = 1.0  # replies between prompts and outputs
+    weights = torch.randn(ids.shape, generator=gen) * mask
+    asked: list[int] = []
+    real = fused_output.hidden_logprobs
+
+    def spy(hidden: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        asked.append(hidden.size(0))
+        return real(hidden, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused_output, "hidden_logprobs", spy)
+    runs = []
+    for scored in (None, mask):
+        model.zero_grad()
+        lp = token_logprobs(model, ids, 0.7, [0, 11, 24], fused=fused, scored=scored)
+        (lp * weights).sum().backward()
+        runs.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (whole, whole_grads), (got, got_grads) = runs
+    assert asked == ([24, 8] if fused else [])
+    assert (got[mask == 0] == 0).all() and (whole[mask == 0] != 0).sum() > 10
+    torch.testing.assert_close(got[mask == 1], whole[mask == 1], atol=1e-5, rtol=1e-5)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
