@@ -1,6 +1,7 @@
 """The fused output layer + log-prob on two gloo ranks: under TP 2 and TP 2 with sequence
 parallelism (padded and packed rows, tied and untied output weights) the log-probs and every
-gradient equal those of logits then chunked log-probs (fp32, chunks smaller than a row)."""
+gradient equal those of logits then chunked log-probs (fp32, chunks smaller than a row), and
+so do those of the loss tokens alone (`scored`) against the whole row's, masked."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def fused_output_worker(rank: int, world_size: int, master_port: int) -> dict[st
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 96, (2, 19), generator=gen)
     weights = torch.randn(ids.shape, generator=gen)
+    mask = (torch.rand(ids.shape, generator=gen) > 0.6).float()  # the loss tokens
     results: dict[str, float] = {}
     port = master_port
     for sp in (False, True):
@@ -47,12 +49,27 @@ def fused_output_worker(rank: int, world_size: int, master_port: int) -> dict[st
                     (lp * weights.reshape(rows.shape)).sum().backward()
                     runs.append((lp.detach(), {n: p.grad.clone()
                                                for n, p in model.named_parameters()}))  # fmt: skip
+                # the loss tokens alone: the fused layer's rows picked out of the gathered
+                # hidden states, the same on every rank
+                model.zero_grad()
+                scored = mask.reshape(rows.shape)
+                lp = token_logprobs(model, rows, 0.8, cu, fused=True, scored=scored)
+                (lp * weights.reshape(rows.shape) * scored).sum().backward()
+                scored_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                model.zero_grad()
+                whole = token_logprobs(model, rows, 0.8, cu, fused=False)
+                (whole * weights.reshape(rows.shape) * scored).sum().backward()
                 (want, want_g), (got, got_g) = runs
                 key = f"{'sp' if sp else 'tp2'}_{'tied' if tied else 'untied'}_{cu is not None}"
                 results[f"{key}_logprob_diff"] = float((got - want).abs().max())
                 results[f"{key}_grad_diff"] = max(
                     float((got_g[n] - g).abs().max() / g.abs().max()) for n, g in want_g.items()
                 )
+                results[f"{key}_scored_logprob_diff"] = float(
+                    (lp.detach() - whole.detach() * scored).abs().max())
+                results[f"{key}_scored_grad_diff"] = max(
+                    float((scored_grads[n] - p.grad).abs().max() / p.grad.abs().max())
+                    for n, p in model.named_parameters())
             teardown_parallel()
     return results
 
@@ -62,6 +79,6 @@ def test_fused_output_equals_unfused_under_tp_and_sp() -> None:
     results = run_ranks(Path(__file__), "fused_output_worker", 2)
     for rank, r in enumerate(results):
         print(rank, r)
-        assert len(r) == 16, rank
+        assert len(r) == 32, rank
         for key, value in r.items():
             assert value < 1e-5, (rank, key, value)
