@@ -112,6 +112,7 @@ EPISODE_FIELDS = ("sample_id", "group_id", "task_id", "reward", "verdict", "mess
                   "finish_reason", "engine", "dp_rank", "turns", "num_prompt_tokens", "tokens",
                   "token_text")
 OBSERVATION_MAX_CHARS = 4000
+WRITE_BATCH = 512  # events the writer thread takes off the queue per pipelined write
 
 _dropped = counter("riptide_events_dropped_total",
                    "events dropped because the queue was full or Redis was unreachable",
@@ -232,7 +233,7 @@ class EventPublisher:
         failing = False
         while not (self._closing and not self._queue):
             self._wake.wait(0.05)
-            batch = [self._queue.popleft() for _ in range(min(len(self._queue), 512))]
+            batch = [self._queue.popleft() for _ in range(min(len(self._queue), WRITE_BATCH))]
             if not batch:
                 continue
             try:

@@ -10,7 +10,14 @@ import pytest
 
 from services.common.config import EventsConfig, RedisConfig
 from services.common.errors import InvalidRequest
-from services.common.events import KINDS, Event, EventPublisher, load_episodes, load_events
+from services.common.events import (
+    KINDS,
+    WRITE_BATCH,
+    Event,
+    EventPublisher,
+    load_episodes,
+    load_events,
+)
 from services.testing.redis_server import free_port
 
 
@@ -23,7 +30,8 @@ def test_publish_with_redis_down_returns_fast_and_counts_every_drop() -> None:
         publisher.publish("rollout.episode", id=str(index), attrs={"reward": 1.0})
     elapsed = time.perf_counter() - started
     assert elapsed < 1.0, f"10k publishes took {elapsed:.2f} s"
-    assert publisher.dropped >= 9000  # the queue holds 1000
+    # The queue holds 1000; the writer may hold one more batch, taken but not yet failed.
+    assert publisher.dropped >= 10_000 - 1000 - WRITE_BATCH
     publisher.close(timeout_s=5.0)
     assert publisher.dropped == 10_000
 
