@@ -24,6 +24,7 @@ from services.common.ports import free_ports
 #: The programs the cluster needs, each with the Debian package that has it.
 PROGRAMS = {"munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm",
             "srun": "slurm-wlm", "sbatch": "slurm-wlm"}
+SRUN_PORTS = 200  # the width of SrunPortRange
 
 
 def missing_programs() -> list[str]:
@@ -43,6 +44,9 @@ class SlurmCluster:
         self.cpus = cpus or os.cpu_count() or 1
         self.conf = root / "slurm.conf"
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        #: The ports the daemons and every srun take (srun's from SrunPortRange while a step
+        #: runs): a test choosing ports for its own services must stay out of them.
+        self.ports: list[int] = []
 
     def env(self) -> dict[str, str]:
         """The environment of a Slurm client of this cluster."""
@@ -81,12 +85,13 @@ class SlurmCluster:
 
     def _slurm_conf(self, munge_socket: Path) -> str:
         ctld, slurmd, srun_low = free_ports(3)
+        self.ports = [ctld, slurmd, *range(srun_low, srun_low + SRUN_PORTS + 1)]
         r = self.root
         return "\n".join([
             "ClusterName=riptidetest",
             f"SlurmctldHost={self.node}(127.0.0.1)",
             f"SlurmctldPort={ctld}", f"SlurmdPort={slurmd}",
-            f"SrunPortRange={srun_low}-{srun_low + 200}",
+            f"SrunPortRange={srun_low}-{srun_low + SRUN_PORTS}",
             "AuthType=auth/munge", "CredType=cred/munge",
             f"AuthInfo=socket={munge_socket}",
             "SlurmUser=root", "SlurmdUser=root",

@@ -62,11 +62,15 @@ def _trainer_state(config: object) -> dict:
         return {}
 
 
-def _port_base() -> int:
-    """A base with 12 free consecutive loopback ports."""
+def _port_base(cluster: SlurmCluster) -> int:
+    """A base with 12 free consecutive loopback ports, none the cluster's: an srun takes ports
+    of SrunPortRange while its step runs, so a service started later could find its own taken
+    (the trainer's gRPC port once was, 2026-12-07)."""
+    taken = set(cluster.ports)
     for _ in range(50):
         base = random.randrange(20000, 30000)
-        if all(free_port_is(base + i) for i in range(12)):
+        ports = range(base, base + 12)
+        if taken.isdisjoint(ports) and all(free_port_is(port) for port in ports):
             return base
     raise RuntimeError("no run of 12 free ports")
 
@@ -141,7 +145,7 @@ def test_smoke_run_on_slurm_restarts_a_killed_step_and_cancel_leaves_nothing(
                "RIPTIDE_HEAD_ADDRESS": "127.0.0.1", "PYTHONPATH": str(REPO)}
         submit = [ "sbatch", "--parsable", "--nodes=1", f"--chdir={workdir}",
                   f"--output={job_out}", str(ADAPTER), "train", "--smoke", "--steps", "50",
-                  "--port-base", str(_port_base()), "--output-dir", str(out)]
+                  "--port-base", str(_port_base(cluster)), "--output-dir", str(out)]
         import subprocess
 
         job = subprocess.run(submit, env=env, capture_output=True, text=True, check=True,
@@ -194,7 +198,7 @@ def test_smoke_eval_on_slurm_scores_and_ends_by_itself(workdir: Path) -> None:
                "RIPTIDE_HEAD_ADDRESS": "127.0.0.1", "PYTHONPATH": str(REPO)}
         submit = ["sbatch", "--parsable", "--nodes=1", f"--chdir={workdir}",
                   f"--output={job_out}", str(ADAPTER), "eval", "--smoke",
-                  "--port-base", str(_port_base()), "--output-dir", str(out)]
+                  "--port-base", str(_port_base(cluster)), "--output-dir", str(out)]
         job = subprocess.run(submit, env=env, capture_output=True, text=True, check=True,
                              timeout=30).stdout.strip()
         _wait(lambda: not cluster.run(["squeue", "-h", "-j", job]).stdout.strip(),
