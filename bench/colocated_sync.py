@@ -6,7 +6,10 @@ download); this process plays the trainer with other random weights of the same 
 same GPU and sends them with `ColocatedWeightSender` (buckets of `--bucket-mb`, SGLang's
 `/update_weights_from_tensor` payload; its tensors are the same live storages every sync, so
 they go as they are; with `--stage` they are copied into the persistent staging buffer
-instead, as a trainer's freshly gathered tensors are). Measured: one colocated cycle
+instead, as a trainer's freshly gathered tensors are; with `--sender-flat` they sit back to
+back in one buffer in checkpoint order, the engine's own layout (engine/flat_weights.py), so
+the engine loads a bucket as one copy: `engine_last_load` says how many copies a load took).
+Measured: one colocated cycle
 (release all, resume weights, sync, resume KV cache with graph capture) with the device's
 free memory before and after the release, whose sync is the first one (cold: pickling,
 opening the handles); then two warm-up syncs (the payload pickled for good, the engine
@@ -21,6 +24,7 @@ line.
 
     python bench/colocated_sync.py --device cuda              # Qwen2-1.5B shape, bf16
     python bench/colocated_sync.py --device cuda --stage      # the staged path
+    python bench/colocated_sync.py --device cuda --sender-flat  # sender in the engine's layout
     python bench/colocated_sync.py --device cpu --shape tiny  # a smoke run on CPU
 """
 
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.tensor_payload import encode  # noqa: E402
 from services.common.tiny_model import build_tokenizer  # noqa: E402
+from services.engine.flat_weights import FlatWeights  # noqa: E402
 from services.engine.weight_copy import copy_weights  # noqa: E402
 from services.testing.engine_process import EngineProcess  # noqa: E402
 from services.trainer.weights.weight_ipc import ColocatedWeightSender  # noqa: E402
@@ -134,6 +139,10 @@ def main() -> None:
     parser.add_argument("--stage", action="store_true",
                         help="send tensors that need the staging copy (as a trainer's gathered "
                         "tensors do) instead of the same live storages")
+    parser.add_argument("--sender-flat", action="store_true",
+                        help="the trainer's parameters back to back in one buffer in checkpoint "
+                        "order (flat_weights.py, the engine's own layout) instead of one "
+                        "allocation each: the engine then loads a bucket as one copy")
     args = parser.parse_args()
     device = args.device
     with tempfile.TemporaryDirectory(prefix="colocated-bench-") as tmp:
@@ -142,6 +151,8 @@ def main() -> None:
         build_model(args.shape, 0, device).save_pretrained(path)
         build_tokenizer().save_pretrained(path)
         trainer = build_model(args.shape, 1, device)
+        if args.sender_flat:
+            FlatWeights(trainer, torch.device(device))
         named = hf_tensors(trainer)
         plan = buckets(named, args.bucket_mb)
         total = sum(t.numel() * t.element_size() for _, t in named)
@@ -167,6 +178,7 @@ def main() -> None:
             syncs = [timed(lambda i=i: sender.send(plan, f"v{i}"), device)
                      for i in range(args.repeats + 2)]
             phases = dict(sender.timings)
+            last_load = engine.get("/get_server_info").json()["last_weight_load"]
             empty = encode([])  # the fixed cost of an update: HTTP, the engine loop's turn
             updates_empty = [timed(lambda: engine.post("/update_weights_from_tensor", {
                 "serialized_named_tensors": [empty], "flush_cache": False}), device)
@@ -220,7 +232,8 @@ def main() -> None:
         "sync_http_s": round(phases["post_s"] - phases["open_s"] - phases["load_s"], 5),
         "update_empty_s": round(empty_s, 5), "http_round_trip_s": round(health_s, 5),
         "http_with_loop_turn_s": round(turn_s, 5),
-        "engine_shared_tensors": shared,
+        "engine_shared_tensors": shared, "sender_flat": args.sender_flat,
+        "engine_last_load": last_load,
         "d2d_copy_flat_s": round(copy_s, 5), "d2d_copy_per_tensor_s": round(tensor_copy_s, 5),
         "d2d_copy_foreach_s": round(grouped_s, 5), "d2d_copy_engine_s": round(engine_copy_s, 5),
         "sync_cold_over_flat_copy": round(cold_s / copy_s, 2),

@@ -78,6 +78,7 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
             "memory_released": sorted(engine.memory.released),
             "memory_usage": await engine.run(engine.memory.usage),
             "shared_tensors": engine.shared_tensors.stats(),
+            "last_weight_load": engine.runner.last_load,
             "internal_states": states,
             "version": VERSION,
             "sglang_contract": CONTRACT_VERSION[cfg.contract],

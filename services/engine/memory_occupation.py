@@ -1,14 +1,15 @@
 """Releasing and resuming the engine's memory, as SGLang's `/release_memory_occupation` and
 `/resume_memory_occupation` do for colocated training (the trainer steps on the same GPU).
 
-Tags, as SGLang names them: `kv_cache` (the KV slots and the prefix cache), `weights` (every
-parameter's storage; its contents are lost, as in SGLang without a CPU backup: the trainer
-pushes new weights after resuming), `cuda_graph` (the captured decode graphs). No tags means
-all three. Releasing first retracts the running requests to the front of their queue (their
-KV is recomputed later); while anything is released the engine loop takes no step, so new
-requests wait in the queue instead of failing. The memory is really freed (tensors dropped,
-the CUDA caching allocator emptied), so buffers move: graphs captured on the old addresses
-are dropped on any release and captured again once everything is resident.
+Tags, as SGLang names them: `kv_cache` (the KV slots and the prefix cache), `weights` (the
+buffers every parameter is a view of, flat_weights.py; their contents are lost, as in SGLang
+without a CPU backup: the trainer pushes new weights after resuming), `cuda_graph` (the
+captured decode graphs). No tags means all three. Releasing first retracts the running requests
+to the front of their queue (their KV is recomputed later); while anything is released the
+engine loop takes no step, so new requests wait in the queue instead of failing. The memory is
+really freed (tensors dropped, the CUDA caching allocator emptied), so buffers move: graphs
+captured on the old addresses are dropped on any release and captured again once everything is
+resident.
 
 Runs on the engine loop thread (`Engine.run`), like everything that touches schedulers.
 """
@@ -48,7 +49,6 @@ class MemoryOccupation:
         self.runner = runner
         self.schedulers = schedulers
         self.released: set[str] = set()
-        self._shapes: dict[int, tuple[torch.nn.Parameter, torch.Size]] = {}
 
     @property
     def weights_resident(self) -> bool:
@@ -82,9 +82,7 @@ class MemoryOccupation:
         """Allocate the regions of `tags` again; graphs are captured once all is resident."""
         before = self._allocated()
         if "weights" in tags and "weights" in self.released:
-            for param, shape in self._shapes.values():
-                param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
-            self._shapes.clear()
+            self.runner.flat_weights.resume()
         if "kv_cache" in tags and "kv_cache" in self.released:
             for sched in self.schedulers:
                 restore = getattr(sched.batch, "restore_memory", None)
@@ -126,9 +124,7 @@ class MemoryOccupation:
                            "weights before updating them")
 
     def _free_weights(self) -> None:
-        for param in self.runner.model.parameters():  # tied parameters come once
-            self._shapes[id(param)] = (param, param.shape)
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self.runner.flat_weights.release()
 
     def _allocated(self) -> int:
         """Bytes the engine holds: CUDA's allocator count, or on CPU the sizes of the

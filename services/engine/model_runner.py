@@ -14,11 +14,12 @@ from services.common.errors import ConfigError, InvalidRequest
 from services.engine.batch_kv import BatchKV
 from services.engine.checkpoint_names import CheckpointNames
 from services.engine.config import EngineConfig
+from services.engine.flat_weights import FlatWeights
 from services.engine.radix_cache import LayerKV, kv_len
 from services.engine.routed_experts import RoutedExpertsRecorder
 from services.engine.shared_tensors import WeightCopy
 from services.engine.slot_model import choose_decode_backend
-from services.engine.weight_copy import copy_weights
+from services.engine.weight_copy import run_copy
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class ModelRunner:
         model: Any = AutoModelForCausalLM.from_pretrained(
             config.model_path, dtype=self.dtype, attn_implementation=config.attn_implementation
         )
+        # One buffer per dtype on the device, in checkpoint order: a sender's bucket in that
+        # order loads as one copy (flat_weights.py, weight_copy.py).
+        self.flat_weights = FlatWeights(model, self.device)
         self.model = model.to(self.device).eval()
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -62,6 +66,8 @@ class ModelRunner:
         log.info("decode backend: %s", self.decode_backend)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.parameters = dict(self.model.state_dict(keep_vars=True))
+        #: the newest load's received pairs, the copies they took, the pairs merged into spans
+        self.last_load: dict[str, int] = {}
         self.checkpoint_names = CheckpointNames(self.parameters)
         if config.enable_return_routed_experts and self.decode_backend == "slots":
             raise ConfigError("enable_return_routed_experts needs the transformers decode backend "
@@ -153,7 +159,11 @@ class ModelRunner:
     @torch.no_grad()
     def load_weights(self, copy: WeightCopy) -> None:
         """Received tensors into their parameter views (cast to the model dtype, moved to its
-        device): weight_copy.py's copy, large tensors one by one and the rest grouped."""
-        copy_weights(copy.targets, copy.sources)
+        device): weight_copy.py's copy, back-to-back runs as one span, large spans one by one
+        and the rest grouped."""
+        plan = copy.plan
+        run_copy(plan)
+        self.last_load = {"pairs": len(copy.targets), "copies": plan.num_copies,
+                          "merged_pairs": plan.merged}
         if self.device.type == "cuda":  # the sender may free shared tensors once we answer
             torch.cuda.synchronize(self.device)

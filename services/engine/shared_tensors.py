@@ -22,19 +22,29 @@ Used by weight_routes.py, under its update lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from services.engine.weight_copy import CopyPlan, plan_copy
 
 Key = tuple[str | None, str]  # (load_format, payload)
 
 
 @dataclass
 class WeightCopy:
-    """Received tensors and the parameter views they fill, in the same order."""
+    """Received tensors and the parameter views they fill, in the same order; the copy's plan
+    (weight_copy.py) is made on first use and kept for as long as the entry is."""
 
     targets: list[torch.Tensor]
     sources: list[torch.Tensor]
+    _plan: CopyPlan | None = field(default=None, repr=False)
+
+    @property
+    def plan(self) -> CopyPlan:
+        if self._plan is None:
+            self._plan = plan_copy(self.targets, self.sources)
+        return self._plan
 
 
 class SharedTensorCache:

@@ -3,11 +3,19 @@
 `torch._foreach_copy_` groups many copies into few launches, which is what the small tensors
 (norms, biases, narrow projections) need, but its chunked kernel moves a large tensor more
 slowly than a plain copy, which a contiguous same-dtype pair turns into a device-to-device
-memcpy. So the large pairs go one `copy_` each and the rest in one grouped copy. On a CPU both
-are the same loop of copies.
+memcpy. So the large pairs go one `copy_` each and the rest in one grouped copy.
+
+Before that, pairs that lie back to back on both sides (a parameter ending where the next one
+starts, and so do their sources: the engine's flat layout, flat_weights.py, against a sender's
+staging buffer in the same order) merge into one pair spanning them, so a bucket sent in the
+engine's own order is a single memcpy. Working that out costs a few microseconds a pair, so
+a `CopyPlan` is made once per received payload and kept with it (shared_tensors.py). On a CPU
+all of it is the same loop of copies.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,19 +30,86 @@ def is_large(target: torch.Tensor, source: torch.Tensor) -> bool:
             and target.is_contiguous() and source.is_contiguous())
 
 
-def copy_weights(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> int:
-    """Copy each source into its target (casting and moving as `copy_` does); returns how many
-    pairs went one by one."""
+@dataclass
+class CopyPlan:
+    """What one load does: `large` pairs one `copy_` each, the `small` ones in one grouped
+    copy; `merged` says how many received pairs went into spans of several."""
+
+    large: list[tuple[torch.Tensor, torch.Tensor]]
+    small_targets: list[torch.Tensor]
+    small_sources: list[torch.Tensor]
+    merged: int = 0
+
+    @property
+    def num_copies(self) -> int:
+        return len(self.large) + (1 if self.small_targets else 0)
+
+
+def _end(t: torch.Tensor) -> int:
+    return t.data_ptr() + t.numel() * t.element_size()
+
+
+def _follows(prev: torch.Tensor, nxt: torch.Tensor) -> bool:
+    """`nxt` starts where `prev` ends, in the same storage, as a contiguous tensor of its dtype."""
+    return (nxt.dtype == prev.dtype and nxt.device == prev.device and nxt.is_contiguous()
+            and nxt.data_ptr() == _end(prev)
+            and nxt.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr())
+
+
+def _span(first: torch.Tensor, numel: int) -> torch.Tensor:
+    """A flat tensor over `numel` elements of `first`'s storage from where `first` starts."""
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        first.untyped_storage(), first.storage_offset(), (numel,), (1,))
+
+
+def merge_runs(targets: list[torch.Tensor], sources: list[torch.Tensor]
+               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """The pairs with every run of back-to-back pairs (both sides, same dtype on both) made
+    one pair of flat spans; and how many pairs went into such runs."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    merged = 0
+    i = 0
+    while i < len(targets):
+        j = i + 1
+        if (targets[i].is_contiguous() and sources[i].is_contiguous()
+                and targets[i].dtype == sources[i].dtype):
+            while (j < len(targets) and _follows(targets[j - 1], targets[j])
+                   and _follows(sources[j - 1], sources[j])):
+                j += 1
+        if j - i == 1:
+            out.append((targets[i], sources[i]))
+        else:
+            numel = sum(t.numel() for t in targets[i:j])
+            out.append((_span(targets[i], numel), _span(sources[i], numel)))
+            merged += j - i
+        i = j
+    return out, merged
+
+
+def plan_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> CopyPlan:
     if len(targets) != len(sources):
         raise ValueError(f"{len(targets)} targets for {len(sources)} sources")
-    small_targets, small_sources, large = [], [], 0
-    for target, source in zip(targets, sources, strict=True):
+    pairs, merged = merge_runs(targets, sources)
+    plan = CopyPlan([], [], [], merged)
+    for target, source in pairs:
         if is_large(target, source):
-            target.copy_(source)
-            large += 1
+            plan.large.append((target, source))
         else:
-            small_targets.append(target)
-            small_sources.append(source)
-    if small_targets:
-        torch._foreach_copy_(small_targets, small_sources)
-    return large
+            plan.small_targets.append(target)
+            plan.small_sources.append(source)
+    return plan
+
+
+def run_copy(plan: CopyPlan) -> None:
+    for target, source in plan.large:
+        target.copy_(source)
+    if plan.small_targets:
+        torch._foreach_copy_(plan.small_targets, plan.small_sources)
+
+
+def copy_weights(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> int:
+    """Copy each source into its target (casting and moving as `copy_` does); returns how many
+    copies went one by one (a merged span counts once)."""
+    plan = plan_copy(targets, sources)
+    run_copy(plan)
+    return len(plan.large)

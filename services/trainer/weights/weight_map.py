@@ -100,9 +100,16 @@ def _layer_rules(shape: ModelShape, i: int) -> list[TensorRule]:
     qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * hd
     m, p = f"decoder.layers.{i}", f"model.layers.{i}"
     att = f"{p}.self_attn"
-    rules = [
+    # In the order transformers keeps a layer's tensors (attention, MLP, then the two norms),
+    # so a sender's staged bucket lines up with an engine's parameters laid out in that order
+    # (one copy a bucket there).
+    norms = [
         TensorRule(f"{m}.input_layernorm.weight", (f"{p}.input_layernorm.weight",),
                    "replicate", (h,), i),
+        TensorRule(f"{m}.pre_mlp_layernorm.weight", (f"{p}.post_attention_layernorm.weight",),
+                   "replicate", (h,), i),
+    ]
+    rules = [
         TensorRule(f"{m}.self_attention.linear_qkv.weight",
                    (f"{att}.q_proj.weight", f"{att}.k_proj.weight", f"{att}.v_proj.weight"),
                    "qkv", (qkv_rows, h), i),
@@ -112,6 +119,8 @@ def _layer_rules(shape: ModelShape, i: int) -> list[TensorRule]:
             f"{m}.self_attention.linear_qkv.bias",
             (f"{att}.q_proj.bias", f"{att}.k_proj.bias", f"{att}.v_proj.bias"),
             "qkv", (qkv_rows,), i))
+    rules.append(TensorRule(f"{m}.self_attention.linear_proj.weight", (f"{att}.o_proj.weight",),
+                            "row", (h, shape.num_heads * hd), i))
     if shape.qk_norm:
         rules += [
             TensorRule(f"{m}.self_attention.q_layernorm.weight", (f"{att}.q_norm.weight",),
@@ -119,14 +128,9 @@ def _layer_rules(shape: ModelShape, i: int) -> list[TensorRule]:
             TensorRule(f"{m}.self_attention.k_layernorm.weight", (f"{att}.k_norm.weight",),
                        "replicate", (hd,), i),
         ]
-    rules += [
-        TensorRule(f"{m}.self_attention.linear_proj.weight", (f"{att}.o_proj.weight",),
-                   "row", (h, shape.num_heads * hd), i),
-        TensorRule(f"{m}.pre_mlp_layernorm.weight", (f"{p}.post_attention_layernorm.weight",),
-                   "replicate", (h,), i),
-    ]
     if not shape.is_moe:
-        return rules + _mlp_rules(shape, f"{m}.mlp", f"{p}.mlp", shape.ffn_hidden_size, i, None)
+        return rules + _mlp_rules(shape, f"{m}.mlp", f"{p}.mlp", shape.ffn_hidden_size, i,
+                                  None) + norms
     moe = f"{p}.block_sparse_moe" if shape.model_type == "mixtral" else f"{p}.mlp"
     rules.append(TensorRule(f"{m}.mlp.router.weight", (f"{moe}.gate.weight",), "replicate",
                             (shape.num_experts, h), i))
@@ -138,7 +142,7 @@ def _layer_rules(shape: ModelShape, i: int) -> list[TensorRule]:
                             shape.moe_shared_ffn_hidden_size, i, None)
         rules.append(TensorRule(f"{m}.mlp.shared_experts.gate_weight",
                                 (f"{moe}.shared_expert_gate.weight",), "replicate", (1, h), i))
-    return rules
+    return rules + norms
 
 
 def tensor_rules(shape: ModelShape) -> list[TensorRule]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.weight_copy import LARGE_BYTES, copy_weights, is_large
+from services.engine.weight_copy import LARGE_BYTES, copy_weights, is_large, plan_copy, run_copy
 
 
 def _pairs() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -48,3 +48,46 @@ def test_unequal_lists_are_refused() -> None:
 
 def test_nothing_to_copy_is_fine() -> None:
     assert copy_weights([], []) == 0
+
+
+def _flat(sizes: list[int], fill: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    buffer = (torch.zeros(sum(sizes), dtype=torch.bfloat16) if fill is None
+              else torch.randn(sum(sizes)).to(torch.bfloat16))
+    return buffer, list(torch.split(buffer, sizes))
+
+
+def test_pairs_back_to_back_on_both_sides_are_one_copy() -> None:
+    sizes = [LARGE_BYTES // 2, 7, 64, LARGE_BYTES // 4, 3]
+    target_buffer, targets = _flat(sizes)
+    source_buffer, sources = _flat(sizes, fill=1.0)
+    plan = plan_copy(targets, sources)
+    assert plan.num_copies == 1 and plan.merged == len(sizes)
+    run_copy(plan)
+    assert torch.equal(target_buffer, source_buffer)
+
+
+def test_a_gap_or_another_order_on_one_side_breaks_the_run_and_the_gap_is_untouched() -> None:
+    target_buffer, targets = _flat([100, 50, 100, 100])
+    source_buffer, pieces = _flat([100, 50, 100, 100], fill=1.0)
+    # sources 0 and 1 back to back as their targets are; then the last two swapped
+    sources = [pieces[0], pieces[1], pieces[3], pieces[2]]
+    plan = plan_copy(targets, sources)
+    assert plan.merged == 2 and plan.num_copies == 1  # [0, 1] merged; all small: one group
+    run_copy(plan)
+    for target, source in zip(targets, sources, strict=True):
+        assert torch.equal(target, source)
+    # a gap between two targets whose sources are back to back: the gap keeps its values
+    gapped = torch.full((10,), 5.0, dtype=torch.bfloat16)
+    source = torch.ones(8, dtype=torch.bfloat16)
+    plan = plan_copy([gapped[:4], gapped[6:]], [source[:4], source[4:]])
+    run_copy(plan)
+    assert plan.merged == 0 and torch.all(gapped[4:6] == 5) and torch.all(gapped[6:] == 1)
+
+
+def test_another_dtype_is_not_merged() -> None:
+    _, targets = _flat([10, 10])
+    sources = [torch.ones(10), torch.ones(10)]  # float32 into bfloat16
+    plan = plan_copy(targets, sources)
+    assert plan.merged == 0
+    run_copy(plan)
+    assert all(torch.all(t == 1) for t in targets)

@@ -147,3 +147,14 @@ def test_logprobs_carry_gradients() -> None:
     token_logprobs(model, ids).sum().backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_dense_models_tensors_come_in_the_order_transformers_keeps_them(arch: str) -> None:
+    """The engine lays its parameters out in state_dict order (engine/flat_weights.py): a
+    staged bucket in that order loads there as one copy."""
+    hf = random_hf_model(arch)
+    shape = ModelShape.from_hf(hf.config)
+    ours = [n for r in weight_map.tensor_rules(shape) for n in r.hf]
+    assert ours == [n for n in hf.state_dict() if n != "lm_head.weight" or
+                    not shape.tie_word_embeddings]

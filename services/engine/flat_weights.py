@@ -1,0 +1,86 @@
+"""The model's parameters as views of one buffer per dtype and device, in checkpoint order.
+
+A weight update names tensors in a checkpoint's order, and a trainer's sender stages them back
+to back in one buffer (trainer/weights/bucket_shares.py). With the engine's parameters laid
+out the same way, a run of received tensors that sit next to each other on both sides is one
+span of bytes, which weight_copy.py moves as a single device-to-device copy instead of one
+copy (or one grouped kernel) per tensor.
+
+The layout follows the model's `state_dict` order (tied parameters once). The buffers are
+allocated on the engine's device and filled from wherever the parameters were loaded, so a
+model loaded on the CPU never holds two copies of its weights on the GPU. A parameter starts
+where the previous one ended unless that would leave it off a 16-byte boundary; then it is
+padded, and the two are no longer one span. Releasing the weights (memory_occupation.py) frees
+the buffers; resuming allocates them again and points every parameter back at its view, in
+the same layout: the contents are lost either way, the next update refills them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: every parameter's view starts on a multiple of this many bytes
+ALIGN_BYTES = 16
+
+
+
+@dataclass(frozen=True)
+class _Slot:
+    param: torch.nn.Parameter
+    dtype: torch.dtype
+    offset: int  # in elements of the buffer
+    shape: torch.Size
+
+
+def _aligned(offset: int, element_size: int) -> int:
+    step = max(1, ALIGN_BYTES // element_size)
+    return -(-offset // step) * step
+
+
+class FlatWeights:
+    """Lays `model`'s parameters out in one buffer per dtype on `device`, and moves them."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.device = device
+        seen: set[int] = set()
+        params: list[torch.nn.Parameter] = []
+        for tensor in model.state_dict(keep_vars=True).values():
+            if isinstance(tensor, torch.nn.Parameter) and id(tensor) not in seen:
+                seen.add(id(tensor))
+                params.append(tensor)
+        self.slots: list[_Slot] = []
+        self.numel: dict[torch.dtype, int] = {}
+        for param in params:
+            offset = _aligned(self.numel.get(param.dtype, 0), param.element_size())
+            self.slots.append(_Slot(param, param.dtype, offset, param.shape))
+            self.numel[param.dtype] = offset + param.numel()
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        with torch.no_grad():
+            self._allocate(keep_values=True)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def release(self) -> None:
+        """Free the buffers: every parameter becomes an empty tensor of its dtype."""
+        for slot in self.slots:
+            slot.param.data = torch.empty(0, dtype=slot.dtype, device=self.device)
+        self.buffers.clear()
+
+    def resume(self) -> None:
+        """Allocate the buffers again (uninitialised) and point the parameters at them."""
+        if not self.buffers:
+            self._allocate(keep_values=False)
+
+    def _allocate(self, keep_values: bool) -> None:
+        self.buffers = {dtype: torch.empty(n, dtype=dtype, device=self.device)
+                        for dtype, n in self.numel.items()}
+        for slot in self.slots:
+            view = self.buffers[slot.dtype][slot.offset:slot.offset + slot.shape.numel()]
+            view = view.view(slot.shape)
+            if keep_values:
+                view.copy_(slot.param.data)
+            slot.param.data = view
