@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         action="store_const", const=True, default=None, help=info.description)
     parser.add_argument("--disable-cuda-graph", dest="cuda_graph", action="store_const",
                         const=False, default=None, help="decode without CUDA graphs (as SGLang)")
+    parser.add_argument("--no-flat-weights", dest="flat_weights", action="store_const",
+                        const=False, default=None,
+                        help=EngineConfig.model_fields["flat_weights"].description)
     return parser
 
 

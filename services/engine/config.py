@@ -58,6 +58,10 @@ class EngineConfig(StrictModel):
     cuda_graph: bool = Field(
         True, description="capture the slots decode step as CUDA graphs (per batch and KV width)"
     )
+    flat_weights: bool = Field(
+        True, description="keep the parameters as views of one buffer per dtype in checkpoint "
+        "order, so a weight update sent in that order loads as one copy (False: one allocation "
+        "per parameter, as loaded)")
     weight_version: str = Field("default", description="weight version reported at start")
     served_model_name: str | None = Field(None, description="model name in metrics and info")
     random_seed: int = Field(0, description="seed of sampling for requests without sampling_seed")

@@ -13,6 +13,10 @@ where the previous one ended unless that would leave it off a 16-byte boundary; 
 padded, and the two are no longer one span. Releasing the weights (memory_occupation.py) frees
 the buffers; resuming allocates them again and points every parameter back at its view, in
 the same layout: the contents are lost either way, the next update refills them.
+
+With `flat=False` (the engine's `--no-flat-weights`) every parameter keeps an allocation of
+its own, moved to the device as it is, and release and resume free and allocate them one by
+one.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ def _aligned(offset: int, element_size: int) -> int:
 class FlatWeights:
     """Lays `model`'s parameters out in one buffer per dtype on `device`, and moves them."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, flat: bool = True) -> None:
         self.device = device
+        self.flat = flat
         seen: set[int] = set()
         params: list[torch.nn.Parameter] = []
         for tensor in model.state_dict(keep_vars=True).values():
@@ -57,6 +62,7 @@ class FlatWeights:
             self.slots.append(_Slot(param, param.dtype, offset, param.shape))
             self.numel[param.dtype] = offset + param.numel()
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.resident = False
         with torch.no_grad():
             self._allocate(keep_values=True)
 
@@ -65,17 +71,24 @@ class FlatWeights:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def release(self) -> None:
-        """Free the buffers: every parameter becomes an empty tensor of its dtype."""
+        """Free the weights: every parameter becomes an empty tensor of its dtype."""
         for slot in self.slots:
             slot.param.data = torch.empty(0, dtype=slot.dtype, device=self.device)
         self.buffers.clear()
+        self.resident = False
 
     def resume(self) -> None:
-        """Allocate the buffers again (uninitialised) and point the parameters at them."""
-        if not self.buffers:
+        """Allocate the weights again (uninitialised) and point the parameters at them."""
+        if not self.resident:
             self._allocate(keep_values=False)
 
     def _allocate(self, keep_values: bool) -> None:
+        self.resident = True
+        if not self.flat:
+            for slot in self.slots:
+                slot.param.data = (slot.param.data.to(self.device) if keep_values else
+                                   torch.empty(slot.shape, dtype=slot.dtype, device=self.device))
+            return
         self.buffers = {dtype: torch.empty(n, dtype=dtype, device=self.device)
                         for dtype, n in self.numel.items()}
         for slot in self.slots:

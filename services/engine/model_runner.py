@@ -40,7 +40,7 @@ class ModelRunner:
         )
         # One buffer per dtype on the device, in checkpoint order: a sender's bucket in that
         # order loads as one copy (flat_weights.py, weight_copy.py).
-        self.flat_weights = FlatWeights(model, self.device)
+        self.flat_weights = FlatWeights(model, self.device, flat=config.flat_weights)
         self.model = model.to(self.device).eval()
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"

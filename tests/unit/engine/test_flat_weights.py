@@ -61,3 +61,19 @@ def test_release_frees_the_buffers_and_resume_points_the_parameters_back() -> No
     assert [tuple(p.shape) for p in model.parameters()] == [tuple(s.shape) for s in flat.slots]
     flat.resume()  # resuming what is resident changes nothing
     assert _views(flat) == spans
+
+
+def test_without_the_flat_layout_each_parameter_keeps_its_own_allocation() -> None:
+    model = random_hf_model("llama")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    flat = FlatWeights(model, torch.device("cpu"), flat=False)
+    assert not flat.buffers and flat.resident
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == len(list(model.parameters()))
+    assert all(torch.equal(t, state[n]) for n, t in model.state_dict().items())
+    flat.resume()  # resident: nothing moves, nothing is lost
+    assert all(torch.equal(t, state[n]) for n, t in model.state_dict().items())
+    flat.release()
+    assert all(p.numel() == 0 for p in model.parameters())
+    flat.resume()
+    assert [tuple(p.shape) for p in model.parameters()] == [tuple(s.shape) for s in flat.slots]
