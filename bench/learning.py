@@ -41,7 +41,9 @@ training episode's time went (`episode_seconds_p50`), and each service's CPU (`c
 busy, and its busiest thread's share of the phase; a share near 1 is a saturated loop).
 
 Usage: python bench/learning.py [--device cpu|cuda] [--steps 40] [--budget-min 30]
-                                [--warm-start-steps 0]
+                                [--wall-budget-min W] [--warm-start-steps 0]
+(`--wall-budget-min`: the whole bench ends within W minutes; the RL phase is cut short where
+the stop and the final evaluation, estimated from the initial one, would not fit after it.)
 Last line: {"steps": n, "checkpoint_step": n, "per_step_reward": [...], "heldout_initial": x,
             "heldout_final": y,
             "eval_by_weight_version": {...}, "eval_unfinished": {...},
@@ -323,6 +325,23 @@ def _success_line(result: dict[str, Any]) -> str:
     return line
 
 
+#: What the end of a run needs after its RL phase, as a multiple of the initial evaluation's
+#: time (the final one exports the checkpoint first) plus the stack's stop.
+FINAL_EVAL_FACTOR, STOP_S = 1.5, 45.0
+
+
+def rl_deadline(started: float, rl_started: float, budget_min: float,
+                wall_budget_min: float | None, initial_eval_s: float) -> float:
+    """When the RL phase ends: after `budget_min`, or earlier where the whole bench must end
+    within `wall_budget_min` of `started` and the stop and the final evaluation (estimated
+    from the initial one) would not fit after it."""
+    deadline = rl_started + budget_min * 60
+    if wall_budget_min is not None:
+        reserve = FINAL_EVAL_FACTOR * initial_eval_s + STOP_S
+        deadline = min(deadline, started + wall_budget_min * 60 - reserve)
+    return max(deadline, rl_started)
+
+
 def trained_steps(events: list[Event]) -> dict[int, dict[str, Any]]:
     """Each trained step's figures, from the saved events: the steps the trainer trained,
     including one it finished on the way out when the budget ran out (a step retrained after
@@ -363,6 +382,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="default: 40 on CPU, 100 on GPU")
     parser.add_argument("--budget-min", type=float, default=None,
                         help="wall time of the RL phase (default: 30 on CPU, 6 on GPU)")
+    parser.add_argument("--wall-budget-min", type=float, default=None,
+                        help="wall time of the whole bench, from its start: the RL phase ends "
+                        "early enough to leave the stop and the final evaluation the time they "
+                        "need (for a job with a time limit; default: none)")
     parser.add_argument("--model", type=Path, default=None, help="default: smollm2-135m")
     parser.add_argument("--dir", type=Path, default=REPO / ".riptide" / "learn")
     parser.add_argument("--lr", type=float, default=2e-5)
@@ -447,11 +470,18 @@ def main() -> None:
         rl_from = f"warm start: riptide sft, {args.warm_start_steps} steps"
     print(f"[learn] held-out eval of the initial weights ({args.model})", file=sys.stderr,
           flush=True)
+    eval_started = time.monotonic()
     initial = _eval(args.model, None, run_dir / "eval-initial", args)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     say(f"[learn] initial held-out success {_success_line(initial)}")
     rl_started = time.monotonic()
-    deadline = rl_started + args.budget_min * 60
+    deadline = rl_deadline(started, rl_started, args.budget_min, args.wall_budget_min,
+                           rl_started - eval_started)
+    rl_budget_s = deadline - rl_started
+    if rl_budget_s < args.budget_min * 60:
+        say(f"[learn] RL budget {rl_budget_s / 60:.1f} min, not {args.budget_min:g}: the "
+            f"{args.wall_budget_min:g}-minute wall budget leaves the rest to the stop and the "
+            "final evaluation")
     config = _config(run_dir, args.model, args)
     path = run_dir / "config.toml"
     path.write_text(dump_config(config))
@@ -504,7 +534,7 @@ def main() -> None:
         "model": str(args.model), "rl_from": rl_from, "device": args.device,
         "dtype": args.dtype, "weight_sync": config.trainer.weight_sync.mode,
         "settings": {k: getattr(args, k) for k in (
-            "steps", "budget_min", "in_flight", "max_staleness", "group_size",
+            "steps", "budget_min", "wall_budget_min", "in_flight", "max_staleness", "group_size",
             "groups_per_step", "lr", "microbatch_tokens", "recompute", "eval_samples",
             "engine_threads", "trainer_threads")},
         "shared_prefix": args.shared_prefix,
@@ -548,7 +578,8 @@ def main() -> None:
         "warm_start": None if warm is None else {
             "steps": warm.get("steps"), "losses": warm.get("losses"),
             "wall_s": warm.get("wall_s")},
-        "rl_wall_s": round(rl_wall_s, 1), "wall_s": round(time.monotonic() - started, 1)}))
+        "rl_budget_s": round(rl_budget_s, 1), "rl_wall_s": round(rl_wall_s, 1),
+        "wall_s": round(time.monotonic() - started, 1)}))
 
 
 if __name__ == "__main__":

@@ -165,3 +165,15 @@ def test_on_cpu_the_engine_and_the_trainer_each_get_half_the_cores(
     assert (gpu.engine_threads, gpu.trainer_threads) == (2, 0)  # the GPU does the work there
     flags = learning.parse_args(["--engine-threads", "3", "--trainer-threads", "5"])
     assert (flags.engine_threads, flags.trainer_threads) == (3, 5)
+
+
+def test_a_wall_budget_cuts_the_rl_phase_to_leave_room_for_the_end() -> None:
+    # started at 0, RL from 60 s (the initial eval took 40 s), a 6-minute RL budget
+    assert learning.rl_deadline(0.0, 60.0, 6.0, None, 40.0) == 420.0
+    # a 10-minute wall: the end needs 1.5 x 40 + 45 = 105 s, so RL ends at 495 s
+    assert learning.rl_deadline(0.0, 60.0, 8.0, 10.0, 40.0) == 600.0 - 105.0
+    # a wall roomy enough changes nothing; one too small leaves no RL, not a negative budget
+    assert learning.rl_deadline(0.0, 60.0, 6.0, 10.0, 40.0) == 420.0
+    assert learning.rl_deadline(0.0, 60.0, 6.0, 1.0, 40.0) == 60.0
+    args = learning.parse_args(["--device", "cuda", "--wall-budget-min", "9.5"])
+    assert args.wall_budget_min == 9.5 and learning.parse_args([]).wall_budget_min is None
