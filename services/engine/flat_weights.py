@@ -1,18 +1,19 @@
 """The model's parameters as views of one buffer per dtype and device, in checkpoint order.
 
-A weight update names tensors in a checkpoint's order, and a trainer's sender stages them back
-to back in one buffer (trainer/weights/bucket_shares.py). With the engine's parameters laid
-out the same way, a run of received tensors that sit next to each other on both sides is one
-span of bytes, which weight_copy.py moves as a single device-to-device copy instead of one
-copy (or one grouped kernel) per tensor.
+A weight update names tensors in a checkpoint's order, and a trainer's sender stages them in
+one buffer (trainer/weights/bucket_shares.py), each starting where common/tensor_layout.py
+says. With the engine's parameters laid out by the same rule, a run of received tensors in
+the engine's order matches its parameters byte for byte, padding included, and weight_copy.py
+moves the run as a single device-to-device copy instead of one copy (or one grouped kernel)
+per tensor.
 
 The layout follows the model's `state_dict` order (tied parameters once). The buffers are
 allocated on the engine's device and filled from wherever the parameters were loaded, so a
-model loaded on the CPU never holds two copies of its weights on the GPU. A parameter starts
-where the previous one ended unless that would leave it off a 16-byte boundary; then it is
-padded, and the two are no longer one span. Releasing the weights (memory_occupation.py) frees
-the buffers; resuming allocates them again and points every parameter back at its view, in
-the same layout: the contents are lost either way, the next update refills them.
+model loaded on the CPU never holds two copies of its weights on the GPU. `gaps` maps where a
+parameter ends to where the next one starts, wherever padding lies between them: bytes that
+no parameter uses, which a copy may overwrite. Releasing the weights (memory_occupation.py)
+frees the buffers; resuming allocates them again and points every parameter back at its view,
+in the same layout: the contents are lost either way, the next update refills them.
 
 With `flat=False` (the engine's `--no-flat-weights`) every parameter keeps an allocation of
 its own, moved to the device as it is, and release and resume free and allocate them one by
@@ -25,9 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: every parameter's view starts on a multiple of this many bytes
-ALIGN_BYTES = 16
-
+from services.common.tensor_layout import aligned
 
 
 @dataclass(frozen=True)
@@ -36,11 +35,6 @@ class _Slot:
     dtype: torch.dtype
     offset: int  # in elements of the buffer
     shape: torch.Size
-
-
-def _aligned(offset: int, element_size: int) -> int:
-    step = max(1, ALIGN_BYTES // element_size)
-    return -(-offset // step) * step
 
 
 class FlatWeights:
@@ -58,10 +52,12 @@ class FlatWeights:
         self.slots: list[_Slot] = []
         self.numel: dict[torch.dtype, int] = {}
         for param in params:
-            offset = _aligned(self.numel.get(param.dtype, 0), param.element_size())
+            offset = aligned(self.numel.get(param.dtype, 0), param.element_size())
             self.slots.append(_Slot(param, param.dtype, offset, param.shape))
             self.numel[param.dtype] = offset + param.numel()
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        #: end of a parameter -> start of the next, where padding lies between (addresses)
+        self.gaps: dict[int, int] = {}
         self.resident = False
         with torch.no_grad():
             self._allocate(keep_values=True)
@@ -75,6 +71,7 @@ class FlatWeights:
         for slot in self.slots:
             slot.param.data = torch.empty(0, dtype=slot.dtype, device=self.device)
         self.buffers.clear()
+        self.gaps.clear()
         self.resident = False
 
     def resume(self) -> None:
@@ -91,9 +88,15 @@ class FlatWeights:
             return
         self.buffers = {dtype: torch.empty(n, dtype=dtype, device=self.device)
                         for dtype, n in self.numel.items()}
+        ends: dict[torch.dtype, int] = {}
         for slot in self.slots:
-            view = self.buffers[slot.dtype][slot.offset:slot.offset + slot.shape.numel()]
-            view = view.view(slot.shape)
+            buffer = self.buffers[slot.dtype]
+            view = buffer[slot.offset:slot.offset + slot.shape.numel()].view(slot.shape)
             if keep_values:
                 view.copy_(slot.param.data)
             slot.param.data = view
+            end = ends.get(slot.dtype)
+            if end is not None and end != slot.offset:
+                size = buffer.element_size()
+                self.gaps[buffer.data_ptr() + end * size] = buffer.data_ptr() + slot.offset * size
+            ends[slot.dtype] = slot.offset + slot.shape.numel()

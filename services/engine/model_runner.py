@@ -161,7 +161,7 @@ class ModelRunner:
         """Received tensors into their parameter views (cast to the model dtype, moved to its
         device): weight_copy.py's copy, back-to-back runs as one span, large spans one by one
         and the rest grouped."""
-        plan = copy.plan
+        plan = copy.plan(self.flat_weights.gaps)
         run_copy(plan)
         self.last_load = {"pairs": len(copy.targets), "copies": plan.num_copies,
                           "merged_pairs": plan.merged}

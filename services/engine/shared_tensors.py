@@ -22,6 +22,7 @@ Used by weight_routes.py, under its update lock.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -34,16 +35,17 @@ Key = tuple[str | None, str]  # (load_format, payload)
 @dataclass
 class WeightCopy:
     """Received tensors and the parameter views they fill, in the same order; the copy's plan
-    (weight_copy.py) is made on first use and kept for as long as the entry is."""
+    (weight_copy.py) is made on first use and kept for as long as the entry is (a release,
+    which moves the parameters, clears the entries)."""
 
     targets: list[torch.Tensor]
     sources: list[torch.Tensor]
     _plan: CopyPlan | None = field(default=None, repr=False)
 
-    @property
-    def plan(self) -> CopyPlan:
+    def plan(self, padding: Mapping[int, int] | None = None) -> CopyPlan:
+        """The copy's plan; `padding`: the targets' unused gaps (flat_weights.py's `gaps`)."""
         if self._plan is None:
-            self._plan = plan_copy(self.targets, self.sources)
+            self._plan = plan_copy(self.targets, self.sources, padding)
         return self._plan
 
 

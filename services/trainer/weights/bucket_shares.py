@@ -12,7 +12,9 @@ Per bucket layout (its names and shapes, on one device), `BucketShares` picks on
   pickled once, no copy at all. A live storage cannot move, so its handle stays valid.
 - staged: otherwise (new tensors every sync, another dtype, not contiguous, on CPU), the
   bucket is copied into a staging buffer of the engine dtype with one grouped copy, and the
-  payload of that layout is pickled once. One buffer per device serves every staged bucket of
+  payload of that layout is pickled once. The tensors lie in the buffer as common/
+  tensor_layout.py lays them out, as an engine lays out its parameters: a bucket in the
+  engine's order then loads there as one copy. One buffer per device serves every staged bucket of
   every sync (the engines load a bucket before the next is copied in); it grows to the
   largest staged bucket, and its memory is held for as long as the sharer lives.
 
@@ -30,6 +32,7 @@ import torch
 import torch.multiprocessing as torch_mp
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from services.common.tensor_layout import aligned
 from services.common.tensor_payload import encode
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -105,7 +108,10 @@ class BucketShares:
         return decided
 
     def _stage(self, device: torch.device, bucket: Bucket) -> Bucket:
-        numel = sum(t.numel() for _, t in bucket)
+        starts, numel = [], 0
+        for _, tensor in bucket:  # as an engine lays out its parameters (tensor_layout.py)
+            starts.append(aligned(numel, self.dtype.itemsize))
+            numel = starts[-1] + tensor.numel()
         buffer = self._buffers.get(device)
         if buffer is None or buffer.numel() < numel:
             # A new handle: the layouts staged in the old buffer are pickled again.
@@ -116,8 +122,5 @@ class BucketShares:
                 torch_mp.set_sharing_strategy("file_system")
                 buffer.share_memory_()
             self._buffers[device] = buffer
-        views, start = [], 0
-        for name, tensor in bucket:
-            views.append((name, buffer[start:start + tensor.numel()].view(tensor.shape)))
-            start += tensor.numel()
-        return views
+        return [(name, buffer[start:start + tensor.numel()].view(tensor.shape))
+                for (name, tensor), start in zip(bucket, starts, strict=True)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.flat_weights import ALIGN_BYTES, FlatWeights
+from services.common.tensor_layout import ALIGN_BYTES
+from services.engine.flat_weights import FlatWeights
 from services.testing.hf_models import random_hf_model
 
 
@@ -30,9 +31,13 @@ def test_parameters_become_back_to_back_views_in_state_dict_order_with_their_val
     names = list(model.state_dict())
     assert len(flat.slots) == len(names) - 1
     spans = _views(flat)
-    assert spans[0][0] == 0
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # no padding needed
-    assert spans[-1][1] == flat.num_bytes
+    assert spans[0][0] == 0 and spans[-1][1] == flat.num_bytes
+    base = flat.buffers[torch.float32].data_ptr()
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        assert start % ALIGN_BYTES == 0 and end <= start < end + ALIGN_BYTES
+        # padding, and only padding, is listed as a gap a copy may overwrite
+        assert flat.gaps.get(base + end) == (base + start if start != end else None)
+    assert len(flat.gaps) == sum(1 for a, b in zip(spans, spans[1:], strict=False) if a[1] != b[0])
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, state[name]), name
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -41,12 +46,14 @@ def test_parameters_become_back_to_back_views_in_state_dict_order_with_their_val
 
 
 def test_a_size_off_the_boundary_pads_the_next_parameter() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(3, 1, bias=True), torch.nn.Linear(1, 4))
-    flat = FlatWeights(model, torch.device("cpu"))  # float32: 4 elements to 16 bytes
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1, bias=True), torch.nn.Linear(1, 4))
+    flat = FlatWeights(model, torch.device("cpu"))  # float32: 64 elements to 256 bytes
     starts = [start for start, _ in _views(flat)]
-    assert starts == [0, 16, 32, 48]  # weight 3, bias 1 -> padded; weight 4; bias 4
-    assert all(s % ALIGN_BYTES == 0 for s in starts)
-    assert flat.num_bytes == 64
+    # weight 64 (256 bytes: the bias follows at once); bias 1, weight 4: each padded
+    assert starts == [0, 256, 512, 768]
+    assert flat.num_bytes == 768 + 4 * 4
+    base = flat.buffers[torch.float32].data_ptr()
+    assert flat.gaps == {base + 260: base + 512, base + 528: base + 768}
 
 
 def test_release_frees_the_buffers_and_resume_points_the_parameters_back() -> None:

@@ -91,3 +91,25 @@ def test_another_dtype_is_not_merged() -> None:
     assert plan.merged == 0
     run_copy(plan)
     assert all(torch.all(t == 1) for t in targets)
+
+
+def test_padding_between_targets_merges_where_the_sources_lie_as_far_apart() -> None:
+    target_buffer = torch.zeros(300, dtype=torch.bfloat16)
+    targets = [target_buffer[:100], target_buffer[128:228], target_buffer[256:300]]
+    base, size = target_buffer.data_ptr(), target_buffer.element_size()
+    padding = {base + 100 * size: base + 128 * size, base + 228 * size: base + 256 * size}
+    source_buffer = torch.randn(300).to(torch.bfloat16)
+    sources = [source_buffer[:100], source_buffer[128:228], source_buffer[256:300]]
+    plan = plan_copy(targets, sources, padding)
+    assert plan.merged == 3 and plan.num_copies == 1
+    run_copy(plan)
+    for target, source in zip(targets, sources, strict=True):
+        assert torch.equal(target, source)
+    # the same gap that is not known as padding (it may hold another parameter) is not copied
+    untouched = torch.full((300,), 7.0, dtype=torch.bfloat16)
+    plan = plan_copy([untouched[:100], untouched[128:228]], sources[:2])
+    run_copy(plan)
+    assert plan.merged == 0 and torch.all(untouched[100:128] == 7)
+    # sources a different distance apart than the padding: no merge
+    shifted = [source_buffer[:100], source_buffer[120:220]]
+    assert plan_copy(targets[:2], shifted, padding).merged == 0

@@ -36,13 +36,15 @@ def test_the_staging_buffer_and_its_payloads_are_reused_every_sync() -> None:
     payload, views = shares.share(first)
     _, second = shares.share([("c", torch.randn(5))])  # every bucket uses the same buffer
     assert storage(second[0][1]) == storage(views[0][1])
-    assert shares.num_bytes == 7 * 4  # the larger of the two
+    # the larger of the two: "b" starts 256 bytes in (common/tensor_layout.py), 64 floats
+    assert views[1][1].data_ptr() - views[0][1].data_ptr() == 256
+    assert shares.num_bytes == (64 + 4) * 4
     new = [("a", torch.randn(3)), ("b", torch.randn(2, 2))]
     again, _ = shares.share(new)  # the next sync: new values, the same pickle
     assert again == payload
     assert all(torch.equal(decode(again, None)[n], t) for n, t in new)
-    shares.share([("d", torch.randn(9))])  # a larger bucket: a new buffer
-    assert shares.num_bytes == 9 * 4
+    shares.share([("d", torch.randn(90))])  # a larger bucket: a new buffer
+    assert shares.num_bytes == 90 * 4
     assert shares.share(new)[0] != payload  # pickled again on the new buffer
     assert shares.modes() == {"fresh": 0, "direct": 0, "staged": 2}  # "c" went with the old
 
@@ -77,3 +79,13 @@ def test_new_tensors_every_sync_are_staged_from_the_second_sync() -> None:
         assert torch.equal(decode(payload, None)["a"], bucket[0][1])
     assert payloads[1] == payloads[2] == payloads[3] != payloads[0]
     assert shares.modes() == {"fresh": 0, "direct": 0, "staged": 1}
+
+
+def test_staged_tensors_start_where_an_engine_lays_out_its_parameters() -> None:
+    from services.common.tensor_layout import ALIGN_BYTES
+
+    bucket = [("a", torch.randn(3)), ("b", torch.randn(128)), ("c", torch.randn(5))]
+    _, views = BucketShares(torch.bfloat16).share(bucket)
+    base = views[0][1].data_ptr()
+    # 3 bf16 end at 6 bytes: "b" starts at the next 256; 128 bf16 are 256 bytes: "c" follows
+    assert [t.data_ptr() - base for _, t in views] == [0, ALIGN_BYTES, 2 * ALIGN_BYTES]
