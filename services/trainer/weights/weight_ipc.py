@@ -27,7 +27,6 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import torch
 import torch.distributed as dist
 
@@ -37,10 +36,10 @@ from services.trainer.model.model import ModelShape
 from services.trainer.model_config import WeightSyncConfig
 from services.trainer.weights.bucket_shares import Bucket, BucketShares
 from services.trainer.weights.convert import iter_hf_buckets
+from services.trainer.weights.engine_poster import EnginePoster
 from services.trainer.weights.weight_sync import WeightSyncReport
 
 log = logging.getLogger(__name__)
-JSON = {"content-type": "application/json"}
 
 
 class ColocatedWeightSender:
@@ -56,7 +55,7 @@ class ColocatedWeightSender:
         #: engines' answers (`post_s`, a round trip to the slowest engine), and in them the
         #: engines' opening (unpickling) and loading
         self.timings: dict[str, float] = {}
-        self.http = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
+        self.http = EnginePoster(timeout_s, bearer(api_key))
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)))
 
     def _post_all(self, path: str, body: dict[str, Any] | bytes) -> list[dict[str, Any]]:
@@ -66,13 +65,15 @@ class ColocatedWeightSender:
         return [future.result() for future in futures]
 
     def _post(self, url: str, path: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
-        if isinstance(body, bytes):
-            reply = self.http.post(f"{url}{path}", content=body, headers=JSON)
-        else:
-            reply = self.http.post(f"{url}{path}", json=body)
-        data: dict[str, Any] = reply.json() if reply.content else {}
-        if reply.status_code != 200 or data.get("success") is False:
-            raise Unavailable(f"{url}{path} answered {reply.status_code}: {reply.text[:500]}")
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, content = self.http.post(url, path, raw)
+        try:
+            data: dict[str, Any] = json.loads(content) if content else {}
+        except ValueError:
+            data = {}
+        if status != 200 or data.get("success") is False:
+            text = content[:500].decode(errors="replace")
+            raise Unavailable(f"{url}{path} answered {status}: {text}")
         return data
 
     def send_bucket(self, bucket: Bucket, last: bool, version: str | None) -> int:
